@@ -1,0 +1,757 @@
+"""
+mecheval: mechanistic evaluation of Transformers and state space models, in one readable file.
+
+A minimal PyTorch reimplementation of
+    A. Arora, N. Rathi, N. Selvam, R. Csordás, D. Jurafsky, C. Potts,
+    "Mechanistic evaluation of Transformers and state space models", arXiv 2505.15105.
+The paper trains tiny 2-layer models on two recall tasks and asks not only *whether* they recall but
+*how*: by induction (the answer is stored at the value token) or by direct retrieval (computed at the
+query). This file holds the tasks, the models and the training loop.
+
+Run (CPU or one GPU):
+    python mecheval.py --arch attention --task ar                   # the paper's AR, d=64, 2 layers
+    python mecheval.py --arch attention --task atr --atr_setting easy
+    python mecheval.py --arch attention --task ar --n_pairs 4 --n_keys 32 --n_values 32 \\
+        --n_train 4000 --steps 600 --eval_every 100                 # a small AR, ~10 s on a laptop CPU
+    python mecheval.py --load runs/ar_attention_d64_l2_lr0.001_s0  # re-evaluate a saved run
+
+Glossary of shape letters:
+    B batch, T sequence length, d model width (d_model), V vocabulary size, N documents in a split,
+    P key-value pairs in an AR document.
+
+Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> command line.
+"""
+import argparse
+import bisect
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+PAD, BOS, EOS = 0, 1, 2   # special tokens shared by both tasks
+MAX_LEN = 1024            # longest document (the paper's l_max and position-table size)
+TASKS = ("ar", "atr")
+ATR_SETTINGS = {          # name -> (L = longest rule body + 1, number of terminals |Σ|)
+    "easy": (5, 20),
+    "medium": (10, 20),
+    "8192": (5, 8192),
+}
+PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
+ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
+DEFAULT_LR = {}  # name -> peak learning rate measured to work on the paper's AR at d=64
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one sentence naming the value and what is allowed."""
+
+
+def opt(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # what to learn
+    task: str = opt("ar", "task: ar (associative recall) or atr (associative treecall)")
+    arch: str = opt("attention", "sequence mixer (see the mixer section)")
+    # the model
+    d_model: int = opt(64, "model width d")
+    n_layers: int = opt(2, "number of residual blocks")
+    pos_emb: str = opt("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
+    # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
+    lr: float = opt(0.0, "peak learning rate; 0 = the architecture's measured default")
+    steps: int = opt(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
+    batch_size: int = opt(32, "documents per step")
+    warmup: float = opt(0.1, "fraction of the steps spent in linear warm-up")
+    seed: int = opt(0, "seeds the data, the grammar, the initialisation and the batch order")
+    device: str = opt("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    eval_every: int = opt(250, "steps between evaluations, progress lines and checkpoints")
+    target_acc: float = opt(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
+    # AR
+    n_pairs: int = opt(16, "AR: key-value pairs per document (length 2P+5)")
+    n_keys: int = opt(4096, "AR: number of key tokens")
+    n_values: int = opt(4096, "AR: number of value tokens")
+    # ATR
+    atr_setting: str = opt("easy", "ATR grammar: easy (L=5, 20 terminals), medium (L=10, 20), 8192 (L=5, 8192)")
+    atr_split: str = opt("iid", "ATR: iid, or the generalisation split: dev (held-out documents with "
+                                "allowed parent-child pairs) or test (held-out pairs)")
+    atr_heldout: float = opt(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
+    # data sizes
+    n_train: int = opt(100_032, "training documents (iterated in epochs)")
+    n_eval: int = opt(320, "evaluation documents")
+    # where results go
+    out_dir: str = opt("runs", "folder that holds the run folders")
+    run_name: str = opt("", "run folder name; empty = derived from the settings")
+
+    def __post_init__(self):
+        self.validate()
+        if self.lr == 0:
+            self.lr = DEFAULT_LR[self.arch]
+        if self.steps == 0:
+            self.steps = PAPER_STEPS[self.task]
+        if not self.run_name:
+            extra = f"_{self.atr_setting}" + ("" if self.atr_split == "iid" else f"_{self.atr_split}") \
+                if self.task == "atr" else ""
+            self.run_name = (f"{self.task}{extra}_{self.arch}_d{self.d_model}_l{self.n_layers}"
+                             f"_lr{self.lr:g}_s{self.seed}")
+
+    @property
+    def use_pos_emb(self):
+        return self.pos_emb == "on" or (self.pos_emb == "auto" and self.arch == "attention")
+
+    def validate(self):
+        def choose(name, allowed):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"unknown {name} '{value}'; allowed: {', '.join(map(str, allowed))}")
+        choose("task", TASKS)
+        choose("arch", list(ARCHS))
+        choose("pos_emb", ("auto", "on", "off"))
+        choose("atr_setting", list(ATR_SETTINGS))
+        choose("atr_split", ("iid", "dev", "test"))
+        for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values",
+                     "n_train", "n_eval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive integer, not {getattr(self, name)}")
+        if self.steps < 0:
+            raise ConfigError(f"steps must be positive (or 0 for the paper's schedule), not {self.steps}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ConfigError(f"lr must be a positive number (or 0 for the default), not {self.lr}")
+        if not 0 <= self.warmup < 1:
+            raise ConfigError(f"warmup is a fraction of the steps in [0, 1), not {self.warmup}")
+        if not 0 <= self.target_acc <= 1:
+            raise ConfigError(f"target_acc must lie in [0, 1] (0 disables early stopping), not {self.target_acc}")
+        if not 0 < self.atr_heldout < 1:
+            raise ConfigError(f"atr_heldout is a fraction in (0, 1), not {self.atr_heldout}")
+        if self.task == "ar" and self.n_pairs > min(self.n_keys, self.n_values):
+            raise ConfigError(f"n_pairs={self.n_pairs} distinct pairs need at least that many keys and values, "
+                              f"but n_keys={self.n_keys} and n_values={self.n_values}")
+        if self.task == "ar" and 2 * self.n_pairs + 5 > MAX_LEN:
+            raise ConfigError(f"n_pairs={self.n_pairs} makes documents of {2 * self.n_pairs + 5} tokens; "
+                              f"the longest allowed is {MAX_LEN} (n_pairs <= {(MAX_LEN - 5) // 2})")
+        if self.task == "ar" and self.atr_split != "iid":
+            raise ConfigError(f"atr_split={self.atr_split} is an ATR option; with task=ar use atr_split=iid")
+        if self.batch_size > self.n_train:
+            raise ConfigError(f"batch_size={self.batch_size} is larger than the training set (n_train={self.n_train})")
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+            raise ConfigError(f"unknown device '{self.device}'; allowed: auto, cpu, cuda, cuda:N, mps")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tasks. Both produce fixed splits of padded documents. Labels are aligned with the prediction: labels[t]
+# is the token the model should output *at* position t, so only labels[query] = answer is set and the
+# loss is read at the query position (-100 everywhere else).
+
+@dataclass
+class Split:
+    input_ids: torch.Tensor  # (N, T) token ids, PAD-padded on the right
+    labels: torch.Tensor     # (N, T) -100 except labels[n, query] = answer
+    pos: dict                # name -> (N,) positions: key, value, next_key, divider, query, answer
+    lengths: torch.Tensor    # (N,) document lengths before padding
+
+    def __len__(self):
+        return len(self.input_ids)
+
+    @property
+    def answers(self):
+        return self.input_ids.gather(1, self.pos["answer"][:, None])[:, 0]  # (N,)
+
+
+@dataclass
+class Task:
+    name: str
+    vocab_size: int
+    train: Split
+    eval: Split
+    token_names: list        # id -> readable token
+    heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
+
+    def decode(self, ids):
+        return " ".join(self.token_names[int(i)] for i in ids if int(i) != PAD)
+
+
+def make_split(docs, pos):
+    """Pad a list of token lists into a Split. pos: name -> list of positions (one per document)."""
+    lengths = torch.tensor([len(d) for d in docs])
+    ids = torch.full((len(docs), int(lengths.max())), PAD, dtype=torch.long)
+    for n, d in enumerate(docs):
+        ids[n, :len(d)] = torch.tensor(d)
+    pos = {k: torch.as_tensor(np.asarray(v), dtype=torch.long) for k, v in pos.items()}
+    labels = torch.full_like(ids, -100)
+    rows = torch.arange(len(docs))
+    labels[rows, pos["query"]] = ids[rows, pos["answer"]]
+    return Split(ids, labels, pos, lengths)
+
+
+def sample_distinct(rng, n, k, high):
+    """(n, k) integers in [0, high), distinct within each row, each row uniform over ordered k-tuples."""
+    if k * k <= high:  # rejection: a row has a repeat with probability < 1/2, redraw those rows
+        out = rng.integers(0, high, (n, k))
+        while True:
+            s = np.sort(out, axis=1)
+            bad = (s[:, 1:] == s[:, :-1]).any(axis=1)
+            if not bad.any():
+                return out
+            out[bad] = rng.integers(0, high, (int(bad.sum()), k))
+    chunks = [rng.random((min(4096, n - i), high)).argsort(axis=1)[:, :k] for i in range(0, n, 4096)]
+    return np.concatenate(chunks) if chunks else np.zeros((0, k), dtype=np.int64)
+
+
+def make_ar(cfg, n, rng):
+    """Associative recall (paper.md, Task 1). A document with P=3 pairs (the paper uses P=16, length 37):
+
+        position  0    1   2    3   4    5   6    7    8    9   10
+        token     BOS  k7  v40  k2  v9   k5  v11  EOS  k2   v9  EOS
+        label     -    -   -    -   -    -   -    -    v9   -   -
+
+    Keys k0.. are ids 3..3+n_keys-1, values v0.. follow them. Each document draws P distinct keys and P
+    distinct values, pairs them in order, and queries one key chosen uniformly; only the prediction at
+    the query position (8) is trained. Named positions for the queried pair i (here i=1): key 1+2i=3,
+    value 2+2i=4, next_key 3+2i=5 (the following pair's key; -1 when i is the last pair), divider 2P+1=7,
+    query 2P+2=8, answer 2P+3=9.
+    """
+    P, K = cfg.n_pairs, cfg.n_keys
+    keys = sample_distinct(rng, n, P, K) + 3                     # (N, P) key ids
+    vals = sample_distinct(rng, n, P, cfg.n_values) + 3 + K      # (N, P) value ids
+    i = rng.integers(0, P, n)                                     # (N,) the queried pair
+    rows = np.arange(n)
+    ids = np.empty((n, 2 * P + 5), dtype=np.int64)
+    ids[:, 0] = BOS
+    ids[:, 1:2 * P:2], ids[:, 2:2 * P + 1:2] = keys, vals
+    ids[:, 2 * P + 1] = EOS
+    ids[:, 2 * P + 2], ids[:, 2 * P + 3] = keys[rows, i], vals[rows, i]
+    ids[:, 2 * P + 4] = EOS
+    ids = torch.from_numpy(ids)
+    pos = {"key": 1 + 2 * i, "value": 2 + 2 * i, "next_key": np.where(i < P - 1, 3 + 2 * i, -1),
+           "divider": np.full(n, 2 * P + 1), "query": np.full(n, 2 * P + 2), "answer": np.full(n, 2 * P + 3)}
+    pos = {k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in pos.items()}
+    labels = torch.full_like(ids, -100)
+    labels[:, 2 * P + 2] = ids[:, 2 * P + 3]
+    return Split(ids, labels, pos, torch.full((n,), 2 * P + 5))
+
+
+class Grammar:
+    """The random right-headed PCFG behind associative treecall (paper.md, Task 2).
+
+    40 nonterminals, each with a depth score in 1..10; a rule for X uses only nonterminals of larger
+    score, so there is no recursion. Each X has 1..5 rules with Dirichlet(1) probabilities; a rule body
+    has 1..L-1 symbols drawn with replacement from {allowed nonterminals, weight 1 each} and {a terminal,
+    weight 20} (a terminal slot gets a uniformly random terminal, fixed in the rule). Each X also has a
+    Dirichlet(1) head distribution over terminals. Expanding X writes its body's expansions and then a
+    head terminal as the rightmost symbol; that head is the parent of everything X produced directly
+    (terminals, and the heads of child nonterminals).
+    """
+
+    def __init__(self, rng, n_terminals, max_rhs, n_nonterminals=40, max_depth=10, max_rules=5,
+                 terminal_weight=20):
+        self.n_terminals = n_terminals
+        depth = rng.integers(1, max_depth + 1, n_nonterminals)
+        self.rules, self.rule_cum, self.head_cum = [], [], []
+        for x in range(n_nonterminals):
+            allowed = [y for y in range(n_nonterminals) if depth[y] > depth[x]]
+            p_terminal = terminal_weight / (terminal_weight + len(allowed))
+            bodies = []
+            for _ in range(rng.integers(1, max_rules + 1)):
+                body = []  # terminal t >= 0, nonterminal y stored as -(y + 1)
+                for _ in range(rng.integers(1, max_rhs)):
+                    if rng.random() < p_terminal:
+                        body.append(int(rng.integers(n_terminals)))
+                    else:
+                        body.append(-(allowed[rng.integers(len(allowed))] + 1))
+                bodies.append(body)
+            self.rules.append(bodies)
+            self.rule_cum.append(np.cumsum(rng.dirichlet(np.ones(len(bodies)))).tolist())
+            self.head_cum.append(np.cumsum(rng.dirichlet(np.ones(n_terminals))).tolist())
+
+    @staticmethod
+    def _pick(r, cum):
+        return min(bisect.bisect(cum, r.random() * cum[-1]), len(cum) - 1)
+
+    def sample(self, r, max_tokens):
+        """One sentence from a uniform start symbol: (terminals, parent position or -1 for the root).
+        Returns None once it grows past max_tokens."""
+        tokens, parents = [], []
+
+        def expand(x):  # writes x's yield, returns the position of x's head
+            children = []
+            for sym in self.rules[x][self._pick(r, self.rule_cum[x])]:
+                if sym >= 0:
+                    tokens.append(sym)
+                    parents.append(-1)
+                    children.append(len(tokens) - 1)
+                else:
+                    children.append(expand(-sym - 1))
+                if len(tokens) > max_tokens:
+                    raise OverflowError
+            tokens.append(self._pick(r, self.head_cum[x]))
+            parents.append(-1)
+            for c in children:
+                parents[c] = len(tokens) - 1
+            return len(tokens) - 1
+
+        try:
+            expand(r.randrange(len(self.rules)))
+        except OverflowError:
+            return None
+        return tokens, parents
+
+
+def make_atr_split(grammar, n, stream, allow=None):
+    """n documents `BOS yield EOS child parent EOS`. A worked example (terminals t0.., ids from 3):
+
+        position  0    1   2   3   4    5   6   7   8
+        token     BOS  t4  t9  t4  t1   EOS t9  t1  EOS
+        label     -    -   -   -   -    -   t1  -   -
+        tree      t1 (position 4) heads t4 (1), t9 (2) and t4 (3)
+
+    The queried child must be the rightmost occurrence of its type (t9 at 2, or t4 at 3, not t4 at 1):
+    a parent position is drawn uniformly among those with an eligible child, then one of its eligible
+    children. Named positions: key = the child in the sentence (2), value = its parent (4, always to the
+    right), next_key = key+1 (3), divider (5), query (6), answer (7). Sentences shorter than 3 tokens,
+    documents over MAX_LEN tokens and sentences without an eligible query are rejected and redrawn.
+    allow(parent_type, child_type) restricts the queried pairs (the generalisation split). Document i
+    draws from its own stream random.Random(f"{stream}/{i}"), so any document can be regenerated alone.
+    """
+    docs, pos = [], {k: [] for k in ("key", "value", "next_key", "divider", "query", "answer")}
+    for i in range(n):
+        r = random.Random(f"{stream}/{i}")
+        while True:
+            s = grammar.sample(r, MAX_LEN - 5)
+            if s is None or len(s[0]) < 3:
+                continue
+            tokens, parents = s
+            rightmost = {t: j for j, t in enumerate(tokens)}  # terminal type -> its last position
+            by_parent = {}
+            for c in sorted(rightmost.values()):
+                if parents[c] >= 0 and (allow is None or allow(tokens[parents[c]], tokens[c])):
+                    by_parent.setdefault(parents[c], []).append(c)
+            if by_parent:
+                break
+        p = r.choice(sorted(by_parent))
+        c = r.choice(by_parent[p])
+        n_tok = len(tokens)
+        docs.append([BOS] + [t + 3 for t in tokens] + [EOS, tokens[c] + 3, tokens[p] + 3, EOS])
+        for k, v in zip(pos, (1 + c, 1 + p, 2 + c, n_tok + 1, n_tok + 2, n_tok + 3)):
+            pos[k].append(v)
+    return make_split(docs, pos)
+
+
+def make_task(cfg, train=True):
+    """Build the task of cfg: an object with vocab_size, train and eval Splits, and decode(ids).
+    Deterministic per cfg.seed; the streams for grammar, training and evaluation data are separate, so
+    the evaluation split does not depend on n_train (train=False skips the training split)."""
+    if cfg.task == "ar":
+        K, V = cfg.n_keys, cfg.n_values
+        names = ["<pad>", "<bos>", "<eos>"] + [f"k{i}" for i in range(K)] + [f"v{i}" for i in range(V)]
+        return Task("ar", 3 + K + V, make_ar(cfg, cfg.n_train, np.random.default_rng([cfg.seed, 0]))
+                    if train else None,
+                    make_ar(cfg, cfg.n_eval, np.random.default_rng([cfg.seed, 1])), names)
+    max_rhs, n_terminals = ATR_SETTINGS[cfg.atr_setting]
+    grammar_rng = np.random.default_rng([cfg.seed, 2])
+    grammar = Grammar(grammar_rng, n_terminals, max_rhs)
+    heldout, allow_train, allow_eval = None, None, None
+    if cfg.atr_split != "iid":  # hold out a random fraction of (parent type, child type) pairs
+        heldout = grammar_rng.random((n_terminals, n_terminals), dtype=np.float32) < cfg.atr_heldout
+        allow_train = lambda p, c: not heldout[p, c]
+        allow_eval = allow_train if cfg.atr_split == "dev" else (lambda p, c: heldout[p, c])
+    gen = "" if cfg.atr_split == "iid" else "/heldout"  # dev and test runs share their training set
+    train = make_atr_split(grammar, cfg.n_train, f"{cfg.seed}/train{gen}", allow_train) if train else None
+    evals = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/{cfg.atr_split}", allow_eval)
+    names = ["<pad>", "<bos>", "<eos>"] + [f"t{i}" for i in range(n_terminals)]
+    return Task("atr", 3 + n_terminals, train, evals, names,
+                None if heldout is None else torch.from_numpy(heldout))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sequence mixers. Each maps the normed residual stream (B, T, d) to (B, T, d), strictly causally, and is
+# built as Mixer(cfg, layer_idx) so that a mixer may depend on its layer (archs.md §1.7).
+
+def register(name, lr):
+    def wrap(cls):
+        ARCHS[name], DEFAULT_LR[name] = cls, lr
+        return cls
+    return wrap
+
+
+@register("attention", lr=1e-3)
+class Attention(nn.Module):
+    """Causal softmax self-attention with one head (Vaswani et al. 2017; zoology's MHA, archs.md §3).
+
+        [q | k | v] = x W_qkvᵀ            (no bias)
+        o = softmax(q kᵀ / √d + M) v       M[t, s] = -1e4 for s > t
+        out = o W_oᵀ + b_o                 (out_proj keeps its bias although bias=False is passed)
+
+    The fast path is PyTorch's scaled_dot_product_attention with a causal mask; `reference=True` runs the
+    explicit softmax with zoology's additive -1e4 mask (identical in fp32, tested).
+    """
+    reference = False
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        d = cfg.d_model
+        self.Wqkv = nn.Linear(d, 3 * d, bias=False)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x):                          # (B, T, d)
+        q, k, v = self.Wqkv(x).chunk(3, dim=-1)    # 3 x (B, T, d)
+        if self.reference:
+            T = x.shape[1]
+            scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, T, T)
+            mask = torch.triu(torch.full((T, T), -10000.0, device=x.device), diagonal=1)
+            o = torch.softmax(scores + mask, dim=-1) @ v             # (B, T, d)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(o)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model (archs.md §1): embeddings -> blocks that take and return the residual stream -> LayerNorm ->
+# LM head tied to the token embedding. Interventions hook model.blocks[l] and model.blocks[l].mixer.
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))  # exact-erf GELU
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: r = r + mixer(LN(r)); r = r + MLP(LN(r)). A mixer class may set
+    `norm` (the pre-norm class) and `has_mlp = False` (Mamba's block has RMSNorm and no MLP)."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        mixer_cls = ARCHS[cfg.arch]
+        norm = getattr(mixer_cls, "norm", nn.LayerNorm)
+        self.norm1 = norm(cfg.d_model)
+        self.mixer = mixer_cls(cfg, layer_idx)
+        if getattr(mixer_cls, "has_mlp", True):
+            self.norm2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg.d_model)
+        else:
+            self.mlp = None
+
+    def forward(self, r):                # (B, T, d) -> (B, T, d)
+        r = r + self.mixer(self.norm1(r))
+        if self.mlp is not None:
+            r = r + self.mlp(self.norm2(r))
+        return r
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg, vocab_size):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(MAX_LEN, cfg.d_model) if cfg.use_pos_emb else None
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+
+    def hidden(self, ids):               # (B, T) -> (B, T, d), after the final LayerNorm
+        x = self.embed(ids)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def head(self, h):                   # (..., d) -> (..., V), tied to the token embedding
+        return h @ self.embed.weight.T
+
+    def forward(self, ids):              # (B, T) -> logits (B, T, V)
+        return self.head(self.hidden(ids))
+
+
+def zoology_init(model, n_layers):
+    """zoology's _init_weights (archs.md §1.4): every Linear N(0, 0.02) with zero bias, embeddings
+    N(0, 0.02), then out_proj / fc2 weights N(0, 0.02/√(2·n_layers)). Conv1d and SSM parameters keep
+    their own initialisation."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    for name, p in model.named_parameters():
+        if name.endswith(("out_proj.weight", "fc2.weight")):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+
+
+def build_model(cfg, vocab_size):
+    """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LanguageModel(cfg, vocab_size)
+        zoology_init(model, cfg.n_layers)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training, as the paper: AdamW (0.9, 0.999), no weight decay, 10 % linear warm-up then cosine to 0,
+# batch 32, fp32, cross-entropy on the answer only. Evaluation: answer accuracy and the mean
+# probability of the answer on the fixed evaluation split.
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+def pick_device(name):
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device '{name}' was asked for but CUDA is not available here; use auto or cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device 'mps' was asked for but MPS is not available here; use auto or cpu")
+    return name
+
+
+def answer_logits(model, ids, query):
+    """Logits (B, V) at the query position of each document: ids (B, T), query (B,). Computing the
+    head only where the loss is read saves a (B, T, V) product."""
+    h = model.hidden(ids)                                          # (B, T, d)
+    return model.head(h[torch.arange(len(ids), device=ids.device), query])
+
+
+@torch.no_grad()
+def evaluate(model, split, batch_size=512):
+    """Answer accuracy and mean answer probability on a split; also the predictions (N,)."""
+    was_training, device = model.training, next(model.parameters()).device
+    model.eval()
+    preds, probs = [], []
+    for i in range(0, len(split), batch_size):
+        sl = slice(i, i + batch_size)
+        ids = split.input_ids[sl, :int(split.lengths[sl].max())].to(device)
+        logp = answer_logits(model, ids, split.pos["query"][sl].to(device)).log_softmax(-1)  # (B, V)
+        preds.append(logp.argmax(-1).cpu())
+        probs.append(logp.gather(1, split.answers[sl, None].to(device))[:, 0].exp().cpu())
+    model.train(was_training)
+    preds = torch.cat(preds)
+    return {"acc": (preds == split.answers).float().mean().item(), "p_answer": torch.cat(probs).mean().item(),
+            "preds": preds}
+
+
+def wrong_examples(task, split, preds, k=3, max_tokens=40):
+    """A few wrong predictions as readable text: the document up to the query, then pred vs answer."""
+    out = []
+    for n in (preds != split.answers).nonzero()[:k, 0].tolist():
+        q = int(split.pos["query"][n])
+        toks = split.input_ids[n, max(0, q + 1 - max_tokens):q + 1]
+        pre = "... " if q + 1 > max_tokens else ""
+        out.append(f"{pre}{task.decode(toks)} -> predicted {task.token_names[int(preds[n])]}, "
+                   f"answer {task.token_names[int(split.answers[n])]}")
+    return out
+
+
+def lr_factor(step, warmup_steps, total_steps):
+    """Linear warm-up to 1 over warmup_steps, then cosine decay to 0 at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def write_json(path, obj):
+    tmp = path + ".tmp"  # write then rename, so a crash never leaves a half-written file
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def fmt_time(s):
+    return f"{s / 3600:.1f}h" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def train(cfg, task=None, log=print):
+    """Train the model of cfg on its task; write config.json, results.json and model.pt to
+    out_dir/run_name; return the results dict. Raises NonFiniteLoss (after saving) on a NaN loss."""
+    cfg.validate()
+    device = pick_device(cfg.device)
+    if device == "cpu":
+        torch.set_flush_denormal(True)  # denormal floats are 10-20x slower on x86
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    write_json(os.path.join(run_dir, "config.json"), asdict(cfg))
+    log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
+    t0 = time.time()
+    task = task or make_task(cfg)
+    train_set, N, B = task.train, len(task.train), cfg.batch_size
+    log(f"task {cfg.task}: {N:,} training and {len(task.eval):,} evaluation documents, vocabulary "
+        f"{task.vocab_size:,}, built in {time.time() - t0:.1f}s")
+    model = build_model(cfg, task.vocab_size).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0,
+                            fused=device.startswith(("cpu", "cuda")))  # one fused update: ~10 % faster
+    warmup_steps = int(cfg.warmup * cfg.steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup_steps, cfg.steps))
+    ids_all, query_all = train_set.input_ids.to(device), train_set.pos["query"].to(device)
+    answer_all = train_set.answers.to(device)
+    gen = torch.Generator().manual_seed(cfg.seed)  # batch order
+    order, cursor = None, N
+    results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
+               "history": []}
+    results_path = os.path.join(run_dir, "results.json")
+    loss_sum, n_sum, t_interval, train_time, ev = torch.zeros((), device=device), 0, time.time(), 0.0, None
+
+    def finish(status):
+        results.update(status=status, train_seconds=round(train_time, 2),
+                       ms_per_step=round(1000 * train_time / max(1, results["steps_done"]), 3))
+        write_json(results_path, results)
+
+    try:
+        for step in range(1, cfg.steps + 1):
+            if cursor + B > N:  # a new epoch: reshuffle, drop the last partial batch
+                order, cursor = torch.randperm(N, generator=gen), 0
+            idx = order[cursor:cursor + B]
+            cursor += B
+            T = int(train_set.lengths[idx].max())  # ATR lengths vary: trim the padding of this batch
+            idx = idx.to(device)
+            loss = F.cross_entropy(answer_logits(model, ids_all[idx, :T], query_all[idx]), answer_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss_sum += loss.detach()
+            n_sum += 1
+            if step % cfg.eval_every and step != cfg.steps:
+                continue
+            train_loss, dt = (loss_sum / n_sum).item(), time.time() - t_interval
+            train_time += dt
+            if not math.isfinite(train_loss):
+                finish("nonfinite")
+                raise NonFiniteLoss(
+                    f"the training loss became {train_loss} between steps {step - n_sum + 1} and {step} "
+                    f"(lr={cfg.lr:g}); {run_dir} keeps config.json, results.json and the last good checkpoint")
+            results["steps_done"] = step
+            ev = evaluate(model, task.eval)
+            results["history"].append({"step": step, "loss": round(train_loss, 5), "acc": ev["acc"],
+                                       "p_answer": round(ev["p_answer"], 5), "lr": sched.get_last_lr()[0]})
+            ms = 1000 * dt / n_sum
+            log(f"step {step:>6}/{cfg.steps} | loss {train_loss:.4f} | acc {ev['acc']:.4f} | "
+                f"p(answer) {ev['p_answer']:.3f} | {ms:.2f} ms/step | eta {fmt_time(ms * (cfg.steps - step) / 1000)}")
+            torch.save({"config": asdict(cfg), "vocab_size": task.vocab_size, "step": step,
+                        "model": model.state_dict()}, os.path.join(run_dir, "model.pt"))
+            results.update(final_acc=ev["acc"], final_p_answer=ev["p_answer"],
+                           best_acc=max(ev["acc"], results.get("best_acc", 0.0)))
+            write_json(results_path, results)
+            loss_sum, n_sum = torch.zeros((), device=device), 0
+            if cfg.target_acc > 0 and ev["acc"] >= cfg.target_acc:
+                break
+            t_interval = time.time()
+    except KeyboardInterrupt:
+        finish("interrupted")
+        raise
+    results["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
+    reached = cfg.target_acc > 0 and ev["acc"] >= cfg.target_acc
+    finish("target reached" if reached else "completed")
+    log(f"done ({results['status']}) after {results['steps_done']:,} steps, {fmt_time(train_time)} of training "
+        f"({results['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} | "
+        f"{n_params:,} parameters | {run_dir}")
+    for line in results["wrong_examples"]:
+        log("  wrong: " + line)
+    return results
+
+
+# Settings that describe a trained model: with --load, any of these given on the command line must match.
+EVAL_ONLY_FIELDS = ("device", "n_eval", "out_dir")
+
+
+def load_run(run_dir, expect=None):
+    """(cfg, model) of a run folder written by train(). expect: settings the caller requires; a
+    mismatch, a missing or a non-fitting checkpoint raises ConfigError with one sentence."""
+    path = os.path.join(run_dir, "model.pt")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        cfg = Config(**ckpt["config"])
+    except TypeError as e:
+        raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
+    for k, v in (expect or {}).items():
+        if getattr(cfg, k) != v and k not in EVAL_ONLY_FIELDS:
+            raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={v}; "
+                              f"drop --{k} or load a run that matches")
+    for k in EVAL_ONLY_FIELDS:
+        if expect and k in expect:
+            setattr(cfg, k, expect[k])
+    model = build_model(cfg, ckpt["vocab_size"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        detail = str(e).strip().splitlines()[-1].strip()
+        raise ConfigError(f"checkpoint {path} does not fit a {cfg.arch} model with d_model={cfg.d_model} "
+                          f"and n_layers={cfg.n_layers} ({detail})") from None
+    return cfg, model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line: one flag per Config field, plus --load.
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2, no usage dump
+        print(f"error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def _bool(s):
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not '{s}'")
+
+
+def parse_args(argv=None):
+    """The flags given on the command line (only those), as a dict."""
+    p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
+    for f in fields(Config):
+        kind = _bool if f.type is bool else f.type
+        extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
+        p.add_argument(f"--{f.name}", type=kind, default=argparse.SUPPRESS,
+                       help=f"{f.metadata['help']}{extra} (default: {f.default})")
+    p.add_argument("--load", default=argparse.SUPPRESS, metavar="RUN",
+                   help="evaluate a saved run folder instead of training")
+    return vars(p.parse_args(argv))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if "load" in args:
+            run_dir = args.pop("load")
+            cfg, model = load_run(run_dir, expect=args)
+            model.to(pick_device(cfg.device))
+            task = make_task(cfg, train=False)
+            ev = evaluate(model, task.eval)
+            print(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, "
+                  f"p(answer) {ev['p_answer']:.3f} on {len(task.eval)} documents")
+            for line in wrong_examples(task, task.eval, ev["preds"]):
+                print("  wrong: " + line)
+        else:
+            train(Config(**args))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; the run folder keeps config.json, results.json and the last checkpoint",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,7 @@ import os
 import random
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -78,6 +79,9 @@ class Config:
     device: str = opt("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     eval_every: int = opt(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = opt(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
+    # the mechanism analysis after training
+    mechanism: bool = opt(True, "run the interchange-intervention grid after training")
+    corrupt: str = opt("key", "context token the analysis corrupts: key (the paper's) or value")
     # AR
     n_pairs: int = opt(16, "AR: key-value pairs per document (length 2P+5)")
     n_keys: int = opt(4096, "AR: number of key tokens")
@@ -120,6 +124,7 @@ class Config:
         choose("pos_emb", ("auto", "on", "off"))
         choose("atr_setting", list(ATR_SETTINGS))
         choose("atr_split", ("iid", "dev", "test"))
+        choose("corrupt", ("key", "value"))
         for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values",
                      "n_train", "n_eval"):
             if getattr(self, name) <= 0:
@@ -175,6 +180,7 @@ class Task:
     train: Split
     eval: Split
     token_names: list        # id -> readable token
+    classes: dict            # "key" / "value" -> (lo, hi): the id range a corrupted token is drawn from
     heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
 
     def decode(self, ids):
@@ -356,7 +362,8 @@ def make_task(cfg, train=True):
         names = ["<pad>", "<bos>", "<eos>"] + [f"k{i}" for i in range(K)] + [f"v{i}" for i in range(V)]
         return Task("ar", 3 + K + V, make_ar(cfg, cfg.n_train, np.random.default_rng([cfg.seed, 0]))
                     if train else None,
-                    make_ar(cfg, cfg.n_eval, np.random.default_rng([cfg.seed, 1])), names)
+                    make_ar(cfg, cfg.n_eval, np.random.default_rng([cfg.seed, 1])), names,
+                    {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)})
     max_rhs, n_terminals = ATR_SETTINGS[cfg.atr_setting]
     grammar_rng = np.random.default_rng([cfg.seed, 2])
     grammar = Grammar(grammar_rng, n_terminals, max_rhs)
@@ -369,7 +376,8 @@ def make_task(cfg, train=True):
     train = make_atr_split(grammar, cfg.n_train, f"{cfg.seed}/train{gen}", allow_train) if train else None
     evals = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/{cfg.atr_split}", allow_eval)
     names = ["<pad>", "<bos>", "<eos>"] + [f"t{i}" for i in range(n_terminals)]
-    return Task("atr", 3 + n_terminals, train, evals, names,
+    terminals = (3, 3 + n_terminals)  # the child and its parent are both terminals
+    return Task("atr", 3 + n_terminals, train, evals, names, {"key": terminals, "value": terminals},
                 None if heldout is None else torch.from_numpy(heldout))
 
 
@@ -660,6 +668,10 @@ def train(cfg, task=None, log=print):
         f"{n_params:,} parameters | {run_dir}")
     for line in results["wrong_examples"]:
         log("  wrong: " + line)
+    if cfg.mechanism:
+        results["mechanism"] = mechanism(model, task, cfg.corrupt, cfg.seed)
+        write_json(results_path, results)
+        log(format_mechanism(results["mechanism"]))
     return results
 
 
@@ -696,6 +708,180 @@ def load_run(run_dir, expect=None):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Interchange interventions (paper.md, "The mechanistic metric"). Corrupt one context token (the base
+# run), patch one activation of the clean document (the source run) back in at one site, layer and
+# position, and measure how much of the answer's probability returns at the query:
+#     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
+# Sites are PyTorch forward hooks on model.blocks[l] (residual stream in / out), its mixer (normed input
+# / output before the residual add) and its MLP, so every architecture exposes the same sites.
+
+SITES = ("block_input", "mixer_input", "mixer_output", "mlp_input", "mlp_output", "block_output")
+POSITIONS = ("key", "value", "next_key", "divider", "query")
+
+
+def site_module(model, site, layer):
+    """The module whose input or output is `site` of block `layer`."""
+    if site not in SITES:
+        raise ValueError(f"unknown site '{site}'; allowed: {', '.join(SITES)}")
+    if not 0 <= layer < len(model.blocks):
+        raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(model.blocks) - 1}")
+    block = model.blocks[layer]
+    module = {"block": block, "mixer": block.mixer, "mlp": block.mlp}[site.rsplit("_", 1)[0]]
+    if module is None:
+        raise ValueError(f"site '{site}' does not exist in this model: its blocks have no MLP "
+                         f"(Mamba); use block_* or mixer_* sites")
+    return module
+
+
+@contextmanager
+def hooks(model, edits):
+    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, T, d) and returns
+    its replacement, or None to leave it. The hooks are removed on exit, also when the forward raises."""
+    handles = []
+    try:
+        for (site, layer), fn in edits.items():
+            module = site_module(model, site, layer)
+            if site.endswith("_input"):
+                def pre(mod, args, fn=fn):
+                    new = fn(args[0])
+                    return None if new is None else (new,) + tuple(args[1:])
+                handles.append(module.register_forward_pre_hook(pre))
+            else:
+                handles.append(module.register_forward_hook(lambda mod, args, out, fn=fn: fn(out)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def patch_positions(x, positions, values):
+    """x (B, T, d) with x[b, positions[b]] = values[b] (B, d), except where positions[b] < 0."""
+    x, rows = x.clone(), (positions >= 0).nonzero()[:, 0]
+    x[rows, positions[rows]] = values[rows].to(x.dtype)
+    return x
+
+
+def interchange(model, base_ids, source_ids, site, layer, positions):
+    """Logits (B, T, V) of the base run with the source run's activation at `site` of block `layer`
+    patched in at one position per document: positions (B,), -1 for "no patch in this document"."""
+    rows, taken = torch.arange(len(positions), device=positions.device), {}
+
+    def take(x):
+        taken["x"] = x[rows, positions.clamp(min=0)]  # (B, d)
+    with hooks(model, {(site, layer): take}):
+        model.hidden(source_ids)
+    with hooks(model, {(site, layer): lambda x: patch_positions(x, positions, taken["x"])}):
+        return model(base_ids)
+
+
+def corrupt_tokens(task, split, which, gen):
+    """The split's ids with the token at pos[which] replaced by a uniformly random *other* token of the
+    same class (another key / value for AR, another terminal for ATR)."""
+    lo, hi = task.classes[which]
+    ids, rows, at = split.input_ids.clone(), torch.arange(len(split)), split.pos[which]
+    new = lo + torch.randint(0, hi - lo - 1, (len(split),), generator=gen)  # skip the original below
+    ids[rows, at] = new + (new >= ids[rows, at]).long()
+    return ids
+
+
+@torch.no_grad()
+def mechanism(model, task, corrupt="key", seed=0):
+    """The interchange-intervention grid on the evaluation split: every site x layer x position, all
+    documents batched into one forward per cell, clean activations captured once. Returns a dict with
+    the mean clean / corrupted probabilities, one entry per cell, and the verdict."""
+    t0, split, device = time.time(), task.eval, next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    T = int(split.lengths.max())
+    clean = split.input_ids[:, :T].to(device)
+    base = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :T].to(device)
+    query, answer = split.pos["query"].to(device), split.answers.to(device)
+    pos = {k: split.pos[k].to(device) for k in POSITIONS}
+    rows = torch.arange(len(split), device=device)
+
+    def p_answer(ids):  # (N,) probability of the correct answer at the query
+        return answer_logits(model, ids, query).softmax(-1)[rows, answer]
+
+    cells = [(site, layer) for layer in range(len(model.blocks)) for site in SITES
+             if not (site.startswith("mlp") and model.blocks[layer].mlp is None)]
+    clean_acts = {}  # (site, layer, position) -> (N, d)
+
+    def grab(cell):
+        def fn(x):
+            for k in POSITIONS:
+                clean_acts[cell + (k,)] = x[rows, pos[k].clamp(min=0)]
+        return fn
+    with hooks(model, {cell: grab(cell) for cell in cells}):
+        p_o = p_answer(clean)
+    p_c = p_answer(base)
+    stats = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
+    for cell in cells:
+        for k in POSITIONS:
+            with hooks(model, {cell: lambda x: patch_positions(x, pos[k], clean_acts[cell + (k,)])}):
+                p_r = p_answer(base)
+            valid = (pos[k] >= 0).float()
+            stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1) for p in (p_o, p_c, p_r)]))
+    stats = torch.stack(stats).tolist()  # one transfer for the whole grid
+    model.train(was_training)
+    grid, i = [], 0
+    for site, layer in cells:
+        for k in POSITIONS:
+            o, c, r = stats[i]
+            i += 1
+            grid.append({"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c,
+                         "p_patched": r, "attribution": (r - c) / (o - c) if o - c > 0.01 else None})
+    result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_o.mean().item(),
+              "p_corrupt": p_c.mean().item(), "n_layers": len(model.blocks), "grid": grid,
+              "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(mech, threshold=0.5):
+    """Read the grid as the paper does, for any depth. The retrieving layer r is the first whose
+    block_output at the query carries the answer (attribution >= threshold). r = 0: direct retrieval in
+    layer 0. Otherwise the block_input of layer r says what layer r reads: the value token (induction:
+    earlier layers stored the key at the value), the key itself (direct retrieval by layer r's mixer) or
+    the next key (direct retrieval from a token the key was copied forward to). For 2 layers this is the
+    paper's reading of layer-1 block_input: value => induction, query => direct retrieval in layer 0,
+    key => direct retrieval in layer 1."""
+    if mech["p_clean"] - mech["p_corrupt"] <= 0.01:
+        return (f"no verdict: p_clean - p_corrupt = {mech['p_clean'] - mech['p_corrupt']:.3f} <= 0.01, "
+                f"the corruption does not hurt this model, so attributions would be noise")
+    a = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
+    L = mech["n_layers"]
+    r = next((l for l in range(L) if a["block_output", l, "query"] >= threshold), L - 1)
+    if r == 0:
+        return f"direct retrieval in layer 0 (layer-0 block_output at the query: {a['block_output', 0, 'query']:.2f})"
+    read = {k: a["block_input", r, k] for k in ("value", "key", "next_key")}
+    numbers = ", ".join(f"{k} {v:.2f}" for k, v in read.items()) + f", query {a['block_input', r, 'query']:.2f}"
+    best = max(read, key=read.get)
+    if read[best] < threshold:
+        return f"mixed: no single position carries the answer into layer {r} ({numbers})"
+    kind = {"value": "induction", "key": f"direct retrieval in layer {r}",
+            "next_key": f"direct retrieval in layer {r} from the next key"}[best]
+    return f"{kind} (layer-{r} block_input attribution: {numbers})"
+
+
+def format_mechanism(mech):
+    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
+    shade = " ░▒▓█"
+    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
+            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f}")
+    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
+    cells = {}
+    for g in mech["grid"]:
+        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
+    for (layer, site), row in cells.items():
+        text = ""
+        for k in POSITIONS:
+            v = row[k]
+            text += "       n/a" if v is None else f"{shade[min(4, max(0, int(v * 5)))]:>4}{v:6.2f}"
+        lines.append(f"{site:<14}{layer:>5}  {text}")
+    return "\n".join(lines + [f"verdict: {mech['verdict']}"])
+
+
+# ----------------------------------------------------------------------------------------------------
 # Command line: one flag per Config field, plus --load.
 
 class _Parser(argparse.ArgumentParser):
@@ -722,11 +908,14 @@ def parse_args(argv=None):
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")
     p.add_argument("--load", default=argparse.SUPPRESS, metavar="RUN",
                    help="evaluate a saved run folder instead of training")
+    p.add_argument("--analyze", action="store_true", default=argparse.SUPPRESS,
+                   help="with --load: also run the interchange-intervention grid (saved in RUN/results.json)")
     return vars(p.parse_args(argv))
 
 
 def main(argv=None):
     args = parse_args(argv)
+    analyze = args.pop("analyze", False)
     try:
         if "load" in args:
             run_dir = args.pop("load")
@@ -738,7 +927,15 @@ def main(argv=None):
                   f"p(answer) {ev['p_answer']:.3f} on {len(task.eval)} documents")
             for line in wrong_examples(task, task.eval, ev["preds"]):
                 print("  wrong: " + line)
+            if analyze:
+                mech = mechanism(model, task, cfg.corrupt, cfg.seed)
+                print(format_mechanism(mech))
+                path = os.path.join(run_dir, "results.json")
+                results = json.load(open(path)) if os.path.isfile(path) else {}
+                write_json(path, {**results, "mechanism": mech})
         else:
+            if analyze:
+                raise ConfigError("--analyze re-runs the analysis of a saved model; give it with --load RUN")
             train(Config(**args))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -260,12 +260,182 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 
 # -------------------------------------------------------------------------------------------- learning
 
-def test_attention_learns_small_ar(tmp_path):
-    cfg = m.Config(n_pairs=2, n_keys=16, n_values=16, n_train=20_000, batch_size=64, steps=4000,
-                   lr=1e-3, eval_every=250, target_acc=0.95, out_dir=str(tmp_path))
-    res = m.train(cfg, log=lambda s: None)
+@pytest.fixture(scope="module")
+def trained_small_ar(tmp_path_factory):
+    """Attention trained on a small AR until 95 % accuracy, with its mechanism grid. Four pairs, not two:
+    with two pairs a model can answer by exclusion (the query is not the other key), which muddies the
+    mechanism. The induction phase transition comes after ~2,000 steps of 256 documents."""
+    cfg = m.Config(n_pairs=4, n_keys=16, n_values=16, d_model=48, n_train=50_000, batch_size=256,
+                   steps=3500, lr=1e-3, eval_every=250, target_acc=0.95,
+                   out_dir=str(tmp_path_factory.mktemp("runs")))
+    return cfg, m.train(cfg, log=lambda s: None)
+
+
+def test_attention_learns_small_ar(trained_small_ar):
+    cfg, res = trained_small_ar
     assert res["final_acc"] >= 0.95, res["history"][-3:]
     assert res["status"] == "target reached"
+
+
+def test_trained_attention_shows_induction(trained_small_ar):
+    cfg, res = trained_small_ar
+    mech = res["mechanism"]
+    a = {(g["site"], g["layer"], g["position"]): g["attribution"] for g in mech["grid"]}
+    assert mech["p_clean"] - mech["p_corrupt"] > 0.3
+    assert a["block_input", 1, "value"] >= 0.9, mech["verdict"]
+    assert a["block_input", 1, "query"] <= 0.2, mech["verdict"]
+    assert a["block_input", 0, "key"] == pytest.approx(1.0, abs=1e-4), "restoring the corrupted token itself"
+    assert a["block_output", 1, "query"] == pytest.approx(1.0, abs=1e-4), "the last residual decides"
+    assert mech["verdict"].startswith("induction")
+    saved = json.loads(open(os.path.join(cfg.out_dir, cfg.run_name, "results.json")).read())
+    assert saved["mechanism"]["grid"] == mech["grid"]
+
+
+# ------------------------------------------------------------------------------------ interventions
+
+def tiny_model(arch, n_layers=2, seed=0):
+    cfg = small_ar(arch=arch, d_model=16, n_layers=n_layers, seed=seed, n_eval=6)
+    model = m.build_model(cfg, m.make_task(cfg, train=False).vocab_size)
+    for p in model.parameters():  # larger weights than the init, so every site matters
+        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, -0.5, 0.5)
+    return cfg, model.eval()
+
+
+def golden_forward(model, ids, splice=None):
+    """The model's forward written out by hand. splice = (site, layer, positions, values): overwrite
+    that activation at one position per row. Returns logits and every activation seen."""
+    acts, rows = {}, torch.arange(len(ids))
+
+    def at(site, layer, x):
+        if splice and splice[:2] == (site, layer):
+            x = x.clone()
+            x[rows, splice[2]] = splice[3]
+        acts[site, layer] = x
+        return x
+
+    x = model.embed(ids)
+    if model.pos_emb is not None:
+        x = x + model.pos_emb.weight[:ids.shape[1]]
+    for layer, blk in enumerate(model.blocks):
+        x = at("block_input", layer, x)
+        x = x + at("mixer_output", layer, blk.mixer(at("mixer_input", layer, blk.norm1(x))))
+        if blk.mlp is not None:
+            x = x + at("mlp_output", layer, blk.mlp(at("mlp_input", layer, blk.norm2(x))))
+        x = at("block_output", layer, x)
+    return model.ln_f(x) @ model.embed.weight.T, acts
+
+
+@pytest.mark.parametrize("arch", sorted(m.ARCHS))
+def test_interchange_matches_golden_forward(arch):
+    cfg, model = tiny_model(arch)
+    gen = torch.Generator().manual_seed(1)
+    base, source = torch.randint(3, 53, (4, 13), generator=gen), torch.randint(3, 53, (4, 13), generator=gen)
+    positions = torch.tensor([0, 5, 12, 7])
+    with torch.no_grad():
+        _, src_acts = golden_forward(model, source)
+        for (site, layer), act in src_acts.items():
+            want, _ = golden_forward(model, base, (site, layer, positions, act[torch.arange(4), positions]))
+            got = m.interchange(model, base, source, site, layer, positions)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{arch} {site} layer {layer}")
+        assert len(src_acts) == len(m.SITES) * cfg.n_layers
+
+
+def test_interchange_identities():
+    cfg, model = tiny_model("attention")
+    gen = torch.Generator().manual_seed(2)
+    base, source = torch.randint(3, 53, (3, 11), generator=gen), torch.randint(3, 53, (3, 11), generator=gen)
+    with torch.no_grad():
+        clean, src_logits = model(base), model(source)
+        for site in m.SITES:
+            for layer in range(cfg.n_layers):
+                same = m.interchange(model, base, base, site, layer, torch.tensor([1, 4, 9]))
+                torch.testing.assert_close(same, clean, rtol=1e-6, atol=1e-7)
+                later = m.interchange(model, base, source, site, layer, torch.tensor([8, 9, 10]))
+                torch.testing.assert_close(later[:, :8], clean[:, :8], rtol=0, atol=0)
+        for t in range(11):  # the last block's output at t decides the logits at t
+            out = m.interchange(model, base, source, "block_output", cfg.n_layers - 1, torch.full((3,), t))
+            torch.testing.assert_close(out[:, t], src_logits[:, t], rtol=1e-5, atol=1e-6)
+        skip = m.interchange(model, base, source, "block_input", 0, torch.tensor([-1, -1, -1]))
+        torch.testing.assert_close(skip, clean, rtol=0, atol=0)
+
+
+def no_hooks(model):
+    return all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in model.modules())
+
+
+def test_hooks_are_removed_even_when_the_model_raises():
+    cfg, model = tiny_model("attention")
+    good, bad = torch.randint(3, 53, (2, 9)), torch.full((2, 9), 10_000)  # bad: out of the vocabulary
+    pos = torch.tensor([3, 4])
+    m.interchange(model, good, good, "mixer_output", 1, pos)
+    assert no_hooks(model)
+    for base, source in ((good, bad), (bad, good)):
+        with pytest.raises(IndexError):
+            m.interchange(model, base, source, "mlp_input", 0, pos)
+        assert no_hooks(model)
+    with pytest.raises(ValueError, match="unknown site"):
+        m.interchange(model, good, good, "attention_output", 0, pos)
+    model.blocks[0].mlp = None  # as in a Mamba block
+    with pytest.raises(ValueError, match="no MLP"):
+        m.site_module(model, "mlp_output", 0)
+    assert no_hooks(model)
+
+
+def test_mechanism_batched_equals_one_document_at_a_time():
+    cfg, model = tiny_model("attention")
+    task = m.make_task(cfg, train=False)
+    mech = m.mechanism(model, task, "key", seed=5)
+    assert mech["forwards"] == 2 + len(m.SITES) * 2 * len(m.POSITIONS) == len(mech["grid"]) + 2
+    base = m.corrupt_tokens(task, task.eval, "key", torch.Generator().manual_seed(5))
+    clean, ans, q = task.eval.input_ids, task.eval.answers, task.eval.pos["query"]
+    for cell in mech["grid"][::7]:
+        pos, ps = task.eval.pos[cell["position"]], []
+        for n in range(len(clean)):
+            if pos[n] < 0:
+                continue
+            with torch.no_grad():
+                logits = m.interchange(model, base[n:n + 1], clean[n:n + 1], cell["site"], cell["layer"], pos[n:n + 1])
+            ps.append(logits[0, q[n]].softmax(-1)[ans[n]])
+        assert cell["p_patched"] == pytest.approx(torch.stack(ps).mean().item(), rel=1e-5, abs=1e-7)
+
+
+def test_corruption_draws_another_token_of_the_same_class():
+    for cfg in (small_ar(n_eval=300), small_atr(n_eval=300)):
+        task = m.make_task(cfg, train=False)
+        for which in ("key", "value"):
+            ids = m.corrupt_tokens(task, task.eval, which, torch.Generator().manual_seed(0))
+            rows, at = torch.arange(300), task.eval.pos[which]
+            old, new = task.eval.input_ids[rows, at], ids[rows, at]
+            lo, hi = task.classes[which]
+            assert (new != old).all() and ((new >= lo) & (new < hi)).all()
+            changed = (ids != task.eval.input_ids).sum(1)
+            assert (changed == 1).all(), "exactly one token changes"
+            assert len(set(new.tolist())) > (hi - lo) // 2, "draws spread over the class"
+
+
+def fake_mech(n_layers, values, p_clean=0.9, p_corrupt=0.1):
+    grid = [{"site": s, "layer": l, "position": k, "attribution": values.get((s, l, k), 0.0)}
+            for l in range(n_layers) for s in m.SITES for k in m.POSITIONS]
+    return {"p_clean": p_clean, "p_corrupt": p_corrupt, "n_layers": n_layers, "grid": grid}
+
+
+def test_verdict_reads_the_grid_like_the_paper():
+    last = lambda L: {("block_output", L - 1, "query"): 1.0}
+    v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "value"): 0.95}))
+    assert v.startswith("induction")
+    v = m.verdict(fake_mech(2, {**last(2), ("block_output", 0, "query"): 0.9, ("block_input", 1, "query"): 0.9}))
+    assert v.startswith("direct retrieval in layer 0")
+    v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.8}))
+    assert v.startswith("direct retrieval in layer 1")
+    v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.3, ("block_input", 1, "value"): 0.3}))
+    assert v.startswith("mixed")
+    assert m.verdict(fake_mech(2, {}, p_clean=0.5, p_corrupt=0.495)).startswith("no verdict")
+    v = m.verdict(fake_mech(3, {**last(3), ("block_output", 1, "query"): 0.9, ("block_input", 1, "value"): 0.9}))
+    assert v.startswith("induction") and "layer-1" in v
+    assert m.verdict(fake_mech(1, last(1))).startswith("direct retrieval in layer 0")
+    table = m.format_mechanism({**fake_mech(2, {("block_input", 1, "value"): 0.95}), "corrupt": "key",
+                                "n_docs": 3, "verdict": "x"})
+    assert "block_input" in table and "█  0.95" in table and table.count("\n") == 2 + 2 * len(m.SITES)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -313,6 +483,9 @@ def test_cli_end_to_end_and_load_round_trip(tmp_path, capsys):
     assert "step     10/30" in out and "ms/step" in out and "wrong:" in out
     assert m.main(["--load", str(run)]) == 0
     assert f"eval acc {res['final_acc']:.4f}" in capsys.readouterr().out
+    assert m.main(["--load", str(run), "--analyze"]) == 0
+    assert "verdict:" in capsys.readouterr().out
+    assert json.loads((run / "results.json").read_text())["mechanism"]["grid"] == res["mechanism"]["grid"]
     cfg2, model = m.load_run(str(run))
     assert m.evaluate(model, m.make_task(cfg2, train=False).eval)["acc"] == res["final_acc"]
 

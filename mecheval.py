@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 # ----------------------------------------------------------------------------------------------------
 # Config
 
@@ -70,6 +72,9 @@ class Config:
     d_model: int = opt(64, "model width d")
     n_layers: int = opt(2, "number of residual blocks")
     pos_emb: str = opt("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
+    d_conv: str = opt("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
+                              "base_conv 1-4 or long; auto = the architecture's own")
+    compile: bool = opt(False, "torch.compile the loop-free kernels (short conv, Based); eager on failure")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = opt(0.0, "peak learning rate; 0 = the architecture's measured default")
     steps: int = opt(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
@@ -107,6 +112,7 @@ class Config:
         if not self.run_name:
             extra = f"_{self.atr_setting}" + ("" if self.atr_split == "iid" else f"_{self.atr_split}") \
                 if self.task == "atr" else ""
+            extra += "" if self.d_conv == "auto" else f"_c{self.d_conv}"
             self.run_name = (f"{self.task}{extra}_{self.arch}_d{self.d_model}_l{self.n_layers}"
                              f"_lr{self.lr:g}_s{self.seed}")
 
@@ -125,6 +131,12 @@ class Config:
         choose("atr_setting", list(ATR_SETTINGS))
         choose("atr_split", ("iid", "dev", "test"))
         choose("corrupt", ("key", "value"))
+        widths = {"mamba": "0 1 2 3 4", "deltanet": "0 1 2 3 4", "based": "1 2 3 4 long", "base_conv": "1 2 3 4 long"}
+        if self.d_conv != "auto" and self.arch not in widths:
+            raise ConfigError(f"d_conv applies to {', '.join(widths)}, not to arch={self.arch}; leave it auto")
+        if self.d_conv != "auto" and self.d_conv not in widths[self.arch].split():
+            raise ConfigError(f"d_conv={self.d_conv} is not a width for {self.arch}; allowed: "
+                              f"{widths[self.arch].replace(' ', ', ')}")
         for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values",
                      "n_train", "n_eval"):
             if getattr(self, name) <= 0:
@@ -423,6 +435,247 @@ class Attention(nn.Module):
         return self.out_proj(o)
 
 
+def conv_width(cfg, default):
+    """The short-convolution width of cfg (d_conv), or the architecture's default."""
+    return default if cfg.d_conv == "auto" else cfg.d_conv if cfg.d_conv == "long" else int(cfg.d_conv)
+
+
+class ShortConv(nn.Conv1d):
+    """Causal depthwise convolution over time (archs.md §2.1), with Conv1d's parameters and default
+    init; runs through kernels.short_conv on (B, L, C)."""
+
+    def __init__(self, channels, width, bias=True):
+        super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
+
+    def forward(self, x):              # (B, L, C) -> (B, L, C)
+        return kernels.short_conv(x, self.weight[:, 0], self.bias)
+
+
+def positional_features(l_max, emb_dim=3):
+    """z_n = [t_n, cos(2π f n / l_max), -sin(2π f n / l_max)] with t_n = n/(l_max-1) and a single, almost
+    zero frequency f = 1e-4 (archs.md §2.3; degenerate in the original, kept for fidelity)."""
+    t = torch.linspace(0, 1, l_max)[:, None]                       # (l_max, 1)
+    f = torch.linspace(1e-4, (emb_dim - 1) // 2 - 1, (emb_dim - 1) // 2)
+    w = 2 * math.pi * f * torch.arange(l_max)[:, None] / l_max      # (l_max, bands)
+    return torch.cat([t, torch.cos(w), -torch.sin(w)], dim=-1)      # (l_max, 3)
+
+
+class BaseConv(nn.Module):
+    """BaseConv (Arora et al. 2024, "Zoology"; archs.md §5): y = Conv(u) ⊙ (u W_pᵀ + b_p) + u.
+    width > 0: a short causal conv with bias. width "long": the implicit long convolution
+    Conv(u) = h * u + u with h = MLP(z) (3 -> 16 -> d, ReLU; no decay window) and frozen z, so the
+    long variant adds u twice inside the mixer, as zoology's fft_conv does."""
+
+    def __init__(self, d, width, l_max=MAX_LEN):
+        super().__init__()
+        self.projection = nn.Linear(d, d)
+        self.long = width == "long"
+        if self.long:
+            self.z = nn.Parameter(positional_features(l_max), requires_grad=False)
+            self.filter = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d))
+        else:
+            self.conv = ShortConv(d, width)
+
+    def forward(self, u):                                  # (B, L, d)
+        if self.long:
+            h = self.filter(self.z[:u.shape[1]]).T         # (d, L)
+            conv = kernels.long_conv(u, h) + u
+        else:
+            conv = self.conv(u)
+        return conv * self.projection(u) + u
+
+
+class BasedAttention(nn.Module):
+    """Based's Taylor linear attention (Arora et al. 2024; archs.md §7), one head, feature dim f=8:
+        q = x W_qᵀ, k = x W_kᵀ (B, L, f), v = x W_vᵀ; y_t = Σ_{s<=t} φ(q_t)·φ(k_s) v_s / Σ_{s<=t} φ(q_t)·φ(k_s)
+    with φ the 2nd-order Taylor features (φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√f); no q/k normalisation.
+    The output projection is called proj_o as in zoology, so the init does not down-scale it."""
+
+    def __init__(self, d, feature_dim=8):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(d, feature_dim, bias=False), nn.Linear(d, feature_dim, bias=False)
+        self.v_proj, self.proj_o = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        return self.proj_o(kernels.based_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+
+
+@register("based", lr=3e-3)
+def based(cfg, layer_idx):
+    """Based = zoology's Hybrid: BaseConv with a short conv (width 3, --d_conv 1-4 or long) in even
+    layers, Taylor linear attention in odd layers. A 1-layer Based model is therefore only a BaseConv."""
+    return BaseConv(cfg.d_model, conv_width(cfg, 3)) if layer_idx % 2 == 0 else BasedAttention(cfg.d_model)
+
+
+@register("base_conv", lr=3e-3)
+def base_conv(cfg, layer_idx):
+    """BaseConv with zoology's kernel_size=[3, -1, 3, -1]: short (width 3) in even layers, implicit long in
+    odd ones. --d_conv K (1-4) or long makes every layer that kind, as the paper's ablation override."""
+    width = conv_width(cfg, None)
+    return BaseConv(cfg.d_model, width if width is not None else (3 if layer_idx % 2 == 0 else "long"))
+
+
+@register("hyena", lr=3e-3)
+class Hyena(nn.Module):
+    """Hyena of order 2 (Poli et al. 2023; zoology's operator, archs.md §4):
+        [x1 | x2 | v] = ShortConv3(u W_inᵀ + b);  y = x2 ⊙ (h * (x1 ⊙ v));  out = y W_outᵀ + b
+    The long filter h[c, n] = MLP(z_n)[c] · exp(-t_n |δ_c|) comes from a Sin-activated MLP of width 64
+    whose frequency ω is shared by its three Sin layers, over trainable positional features z. The skip
+    term D exists but is multiplied by 0 (tinylang passes bias=False), so the output starts near 0."""
+
+    def __init__(self, cfg, layer_idx, order=64, l_max=MAX_LEN):
+        super().__init__()
+        d = cfg.d_model
+        self.in_proj, self.out_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.short_filter = ShortConv(3 * d, 3)
+        self.z = nn.Parameter(positional_features(l_max))             # (l_max, 3), trainable here
+        self.freq = nn.Parameter(torch.ones(order))                     # ω, shared by the Sin layers
+        self.mlp = nn.ModuleList([nn.Linear(3, order), nn.Linear(order, order), nn.Linear(order, order)])
+        self.filter_out = nn.Linear(order, d, bias=False)
+        self.bias = nn.Parameter(torch.randn(d))                        # D, multiplied by 0 below
+        self.register_buffer("t", torch.linspace(0, 1, l_max)[:, None], persistent=False)
+        self.register_buffer("decay", torch.linspace(math.log(1e-2) / 1.5, math.log(1e-2) / 0.3, d).abs(),
+                             persistent=False)
+
+    def filter(self, L):                                                # -> (d, L)
+        a = self.z[:L]
+        for lin in self.mlp:
+            a = torch.sin(self.freq * lin(a))
+        return (self.filter_out(a) * torch.exp(-self.t[:L] * self.decay)).T
+
+    def forward(self, u):                                               # (B, L, d)
+        x1, x2, v = self.short_filter(self.in_proj(u)).chunk(3, dim=-1)
+        v = v * x1
+        y = kernels.long_conv(v, self.filter(u.shape[1])) + v * (0 * self.bias)
+        return self.out_proj(y * x2)
+
+
+@register("h3", lr=3e-3)
+class H3(nn.Module):
+    """H3 (Fu et al. 2023; zoology, archs.md §6) with d_state N=1024 and head dim 2 (H = d/2 heads):
+        k̃ = K_shift * k + D_k ⊙ k                 shift SSM: K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j]
+        ŷ_h = K_h * (k̃_h v_hᵀ) + D_h (k̃_h v_hᵀ)  diagonal S4D SSM over the 2x2 outer products of a head
+        y_h = q_hᵀ ŷ_h;  out = y W_oᵀ + b_o        output channels ordered (j, h) as in zoology
+    K_h[t] = 2 Re Σ_n C̃_n λ_n^t over N/2 conjugate-pair modes, bilinear discretisation
+    λ = (1 + ΔA/2)/(1 - ΔA/2), C̃ = C B Δ/(1 - ΔA/2), A_n = -exp(inv_A_real) + i A_imag. Complex
+    parameters are stored as real (..., 2) pairs. The naive Vandermonde sum builds (H, N/2, L) terms."""
+
+    def __init__(self, cfg, layer_idx, d_state=1024, head_dim=2):
+        super().__init__()
+        d, N = cfg.d_model, d_state
+        if d % head_dim:
+            raise ConfigError(f"h3 needs d_model divisible by its head dim {head_dim}, not {d}")
+        H, self.hd = d // head_dim, head_dim
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.output_linear = nn.Linear(d, d)
+        self.shift_B = nn.Parameter(F.one_hot(torch.zeros(d, dtype=torch.long), N).float())  # e_1
+        self.shift_C = nn.Parameter(torch.empty(d, N).uniform_(-1 / math.sqrt(N), 1 / math.sqrt(N)))
+        self.shift_D = nn.Parameter(torch.randn(d))
+        self.log_dt = nn.Parameter(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.inv_A_real = nn.Parameter(torch.full((H, N // 2), math.log(0.5)))
+        self.A_imag = nn.Parameter(math.pi * torch.arange(N // 2).float().repeat(H, 1))
+        self.B = nn.Parameter(torch.stack([torch.ones(H, N // 2), torch.zeros(H, N // 2)], -1))
+        self.C = nn.Parameter(torch.view_as_real(torch.randn(H, N // 2, dtype=torch.cfloat)))
+        self.D = nn.Parameter(torch.randn(H))
+
+    def ssm_kernel(self, L):                                            # -> (H, L)
+        dt = self.log_dt.exp()[:, None]                                 # (H, 1)
+        A = torch.complex(-self.inv_A_real.exp(), self.A_imag)          # (H, N/2)
+        lam = (1 + dt * A / 2) / (1 - dt * A / 2)
+        Ct = torch.view_as_complex(self.C) * torch.view_as_complex(self.B) * dt / (1 - dt * A / 2)
+        powers = torch.exp(lam.log()[..., None] * torch.arange(L, device=lam.device))  # (H, N/2, L)
+        return 2 * (Ct[..., None] * powers).sum(1).real
+
+    def forward(self, u):                                               # (B, L, d)
+        Bsz, L, d = u.shape
+        H, hd = d // self.hd, self.hd
+        q, k, v = self.q_proj(u), self.k_proj(u), self.v_proj(u)
+        N = self.shift_B.shape[1]
+        Fb, Fc = torch.fft.rfft(self.shift_B, n=2 * N), torch.fft.rfft(self.shift_C, n=2 * N)
+        K_shift = torch.fft.irfft(Fb.conj() * Fc, n=2 * N)[:, :L]     # (d, min(N, L)) cross-correlation
+        K_shift = F.pad(K_shift, (0, L - K_shift.shape[1]))
+        k = kernels.long_conv(k, K_shift) + self.shift_D * k
+        kv = k.view(Bsz, L, H, hd, 1) * v.view(Bsz, L, H, 1, hd)        # (B, L, H, i, j)
+        kv = kv.reshape(Bsz, L, H * hd * hd)
+        K = self.ssm_kernel(L).repeat_interleave(hd * hd, dim=0)        # (H*hd*hd, L)
+        D = self.D.repeat_interleave(hd * hd)
+        kv = (kernels.long_conv(kv, K) + D * kv).view(Bsz, L, H, hd, hd)
+        y = torch.einsum("blhi,blhij->bljh", q.view(Bsz, L, H, hd), kv)  # (B, L, j, H)
+        return self.output_linear(y.reshape(Bsz, L, d))
+
+
+@register("mamba", lr=3e-3)
+class Mamba(nn.Module):
+    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.Mamba, archs.md §8), state N=16, expand 2,
+    dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
+        [x | z] = h W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
+        y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
+    --d_conv 0 drops the convolution (x = SiLU(x)); the width-4 conv1d is still built, unused, as in
+    tinylang's MambaWithoutConv. The block is RMSNorm -> Mamba -> residual, with no MLP."""
+    norm, has_mlp = nn.RMSNorm, False
+
+    def __init__(self, cfg, layer_idx, d_state=16, expand=2):
+        super().__init__()
+        d = cfg.d_model
+        D, N, r = expand * d, d_state, math.ceil(d / 16)
+        self.d_conv = conv_width(cfg, 4)
+        self.in_proj = nn.Linear(d, 2 * D, bias=False)
+        self.conv1d = nn.Conv1d(D, D, self.d_conv or 4, groups=D, padding=(self.d_conv or 4) - 1)
+        self.x_proj = nn.Linear(D, r + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(r, D)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(D, 1))   # A = -[1..N]
+        self.D = nn.Parameter(torch.ones(D))
+        self.out_proj = nn.Linear(D, d, bias=False)
+        self.reset_dt()
+
+    def reset_dt(self, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
+        """dt_proj: weight U(±r^-1/2); bias = softplus⁻¹(dt), dt log-uniform in [dt_min, dt_max]."""
+        r = self.dt_proj.in_features
+        nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
+        dt = torch.exp(torch.rand(self.dt_proj.out_features) * (math.log(dt_max) - math.log(dt_min))
+                       + math.log(dt_min)).clamp(min=floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, h):                                               # (B, L, d)
+        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (B, L, D) each
+        if self.d_conv:
+            x = kernels.short_conv(x, self.conv1d.weight[:, 0], self.conv1d.bias)
+        x = F.silu(x)
+        r, N = self.dt_proj.in_features, self.A_log.shape[1]
+        delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))                          # (B, L, D)
+        y = kernels.selective_scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
+        return self.out_proj(y * F.silu(z))
+
+
+@register("deltanet", lr=1e-3)
+class DeltaNet(nn.Module):
+    """DeltaNet (Schlag et al. 2021; Yang et al. 2024, fla's layer as archs.md decides), one head:
+        q, k, v = SiLU(ShortConv4(x W_{q,k,v}ᵀ)) (no conv bias);  q, k L2-normalised;  β = σ(x W_βᵀ)
+        S_t = S_{t-1} + k_t β_t (v_t - S_{t-1}ᵀ k_t)ᵀ;  o_t = S_tᵀ q_t / √d;  out = RMSNorm(o) W_oᵀ
+    fp32 throughout (fla's kernel runs bf16). --d_conv sets the short-conv width (0 = none)."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        d = cfg.d_model
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.b_proj, self.o_proj = nn.Linear(d, 1, bias=False), nn.Linear(d, d, bias=False)
+        width = conv_width(cfg, 4)
+        self.convs = nn.ModuleList(ShortConv(d, width, bias=False) for _ in range(3)) if width else None
+        self.o_norm = nn.RMSNorm(d, eps=1e-5)
+
+    def forward(self, x):                                               # (B, L, d)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = (conv(t) for conv, t in zip(self.convs, (q, k, v)))
+        q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(q.shape[-1])
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(self.b_proj(x))[..., 0]                    # (B, L)
+        return self.o_proj(self.o_norm(kernels.delta_rule(q, k, v, beta)))
+
+
 # ----------------------------------------------------------------------------------------------------
 # The model (archs.md §1): embeddings -> blocks that take and return the residual stream -> LayerNorm ->
 # LM head tied to the token embedding. Interventions hook model.blocks[l] and model.blocks[l].mixer.
@@ -481,17 +734,22 @@ class LanguageModel(nn.Module):
         return self.head(self.hidden(ids))
 
 
-def zoology_init(model, n_layers):
-    """zoology's _init_weights (archs.md §1.4): every Linear N(0, 0.02) with zero bias, embeddings
-    N(0, 0.02), then out_proj / fc2 weights N(0, 0.02/√(2·n_layers)). Conv1d and SSM parameters keep
-    their own initialisation."""
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+def zoology_init(model, n_layers, mamba=False):
+    """zoology's _init_weights (archs.md §1.4). Non-Mamba models: every Linear N(0, 0.02) with zero bias,
+    embeddings N(0, 0.02), then out_proj / fc2 weights N(0, 0.02/√(2·n_layers)). Mamba models: Linear
+    weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), out_proj is
+    redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own initialisation."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and not mamba):
             nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
+        if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
             nn.init.zeros_(m.bias)
     for name, p in model.named_parameters():
-        if name.endswith(("out_proj.weight", "fc2.weight")):
+        if mamba and name.endswith("out_proj.weight"):
+            nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+            with torch.no_grad():
+                p /= math.sqrt(n_layers)
+        elif not mamba and name.endswith(("out_proj.weight", "fc2.weight")):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
 
 
@@ -500,7 +758,7 @@ def build_model(cfg, vocab_size):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LanguageModel(cfg, vocab_size)
-        zoology_init(model, cfg.n_layers)
+        zoology_init(model, cfg.n_layers, mamba=cfg.arch == "mamba")
     return model
 
 
@@ -584,6 +842,7 @@ def train(cfg, task=None, log=print):
     out_dir/run_name; return the results dict. Raises NonFiniteLoss (after saving) on a NaN loss."""
     cfg.validate()
     device = pick_device(cfg.device)
+    kernels.set_compile(cfg.compile)
     if device == "cpu":
         torch.set_flush_denormal(True)  # denormal floats are 10-20x slower on x86
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)

@@ -1,0 +1,270 @@
+"""
+kernels.py: the expensive sequence operations of mecheval's mixers, each as a plain reference (the
+definition you learn from) beside a fast form that gives the same outputs and gradients.
+
+    op                  reference (definition)                 fast form
+    short_conv          shift-and-add over the k taps          F.conv1d, depthwise (compiled: shift-and-add)
+    long_conv           sum over lags of shifted inputs        rfft / irfft with n = 2L
+    based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
+    selective_scan      Mamba-1 loop indexing (B, L, D, N)     loop over unbind() slices, one readout
+    delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
+
+Layouts are time-major like the mixers: (B, L, C). All functions are differentiable PyTorch.
+`python kernels.py` benchmarks reference vs fast (eager and compiled) forward + backward.
+
+torch.compile: set_compile(True) compiles the loop-free fast forms (short_conv, based_attention) on
+first use; a failure is announced once and that op runs eager from then on. FFTs and Python loops stay
+eager (inductor does not fuse complex ops, and compiling unrolled loops costs minutes on a CPU).
+"""
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+_COMPILE = {"on": False, "cache": {}}
+
+
+def set_compile(on):
+    """Switch torch.compile for the compilable fast paths on or off."""
+    _COMPILE["on"] = bool(on)
+
+
+def _compiled(fn):
+    """fn compiled (fullgraph) when compilation is switched on; eager if compile fails, said once."""
+    if not _COMPILE["on"]:
+        return fn
+    cache = _COMPILE["cache"]
+    if fn not in cache:
+        cache[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = cache[fn]
+    if compiled is fn:
+        return fn
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
+            print(f"kernels: torch.compile failed for {fn.__name__} ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120]}); running it eager from now on", file=sys.stderr)
+            cache[fn] = fn
+            return fn(*args)
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------
+# Short causal depthwise convolution: y[:, t, c] = b[c] + Σ_i w[c, i] · x[:, t-(k-1)+i, c], x[<0] = 0.
+# w[c, k-1] multiplies the current token (PyTorch Conv1d orientation, archs.md §2.1).
+
+def short_conv_ref(x, w, b=None):
+    """x (B, L, C), w (C, k), b (C,) or None -> (B, L, C)."""
+    k, L = w.shape[1], x.shape[1]
+    xp = F.pad(x, (0, 0, k - 1, 0))                   # (B, L+k-1, C), k-1 zeros in front
+    y = sum(xp[:, i:i + L] * w[:, i] for i in range(k))
+    return y if b is None else y + b
+
+
+def _short_conv_conv1d(x, w, b):
+    k = w.shape[1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), w[:, None, :], b, groups=w.shape[0])  # (B, C, L)
+    return y.transpose(1, 2)
+
+
+def short_conv(x, w, b=None):
+    """Fast short convolution: depthwise F.conv1d in eager, the shift-and-add when compiled."""
+    if _COMPILE["on"]:
+        return _compiled(short_conv_ref)(x, w, b)
+    return _short_conv_conv1d(x, w, b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Long causal convolution with a filter as long as the sequence: y[:, t, c] = Σ_{s<=t} h[c, s] u[:, t-s, c].
+
+def long_conv_ref(u, h):
+    """u (B, L, C), h (C, L') with L' >= L (cut to L taps) -> (B, L, C). One shifted copy per lag."""
+    L = u.shape[1]
+    y = torch.zeros_like(u)
+    for s in range(L):
+        y[:, s:] = y[:, s:] + h[:, s] * u[:, :L - s]
+    return y
+
+
+def long_conv(u, h):
+    """The same by FFT of size 2L: zero-padding to 2L makes the circular convolution causal."""
+    L = u.shape[1]
+    n = 2 * L
+    U = torch.fft.rfft(u, n=n, dim=1)                    # (B, L+1, C)
+    H = torch.fft.rfft(h[:, :L], n=n, dim=1)             # (C, L+1)
+    return torch.fft.irfft(U * H.T, n=n, dim=1)[:, :L]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Based: causal linear attention with the 2nd-order Taylor feature map (Arora et al. 2024),
+#     φ(x) = [1, x / f^¼, vec(x xᵀ) / (√2 √f)],  so  φ(q)·φ(k) = 1 + s + s²/2,  s = q·k / √f.
+
+def taylor_features(x):
+    """x (..., f) -> (..., 1 + f + f²): the full outer product, duplicated off-diagonals included."""
+    f = x.shape[-1]
+    outer = (x[..., :, None] * x[..., None, :]).flatten(-2) / (math.sqrt(2) * math.sqrt(f))
+    return torch.cat([torch.ones_like(x[..., :1]), x / f ** 0.25, outer], dim=-1)
+
+
+def based_attention_ref(q, k, v, eps=1e-12):
+    """q, k (B, L, f), v (B, L, d) -> (B, L, d): y_t = Σ_{s<=t} A_ts v_s / Σ_{s<=t} A_ts, A = φ(q)φ(k)ᵀ."""
+    A = taylor_features(q) @ taylor_features(k).transpose(1, 2)   # (B, L, L)
+    A = A.tril()
+    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
+
+
+def _based_attention_identity(q, k, v, eps):
+    s = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])          # (B, L, L)
+    A = (1 + s + 0.5 * s * s).tril()
+    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
+
+
+def based_attention(q, k, v, eps=1e-12):
+    """The same through the kernel identity, never building the 73-dim features."""
+    return _compiled(_based_attention_identity)(q, k, v, eps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mamba-1 selective scan (Gu & Dao 2023), per channel c and state n, s_{-1} = 0:
+#     s_t = exp(Δ_t A) ⊙ s_{t-1} + Δ_t B_t x_t,    y_t = C_t · s_t + D x_t
+
+def selective_scan_ref(x, delta, A, B, C, D):
+    """x, delta (B, L, D); A (D, N); B, C (B, L, N); D (D,) -> y (B, L, D). As in mamba-minimal."""
+    dA = torch.exp(delta[..., None] * A)                        # (B, L, D, N)
+    dBx = delta[..., None] * B[:, :, None, :] * x[..., None]    # (B, L, D, N)
+    s = torch.zeros_like(dA[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        s = dA[:, t] * s + dBx[:, t]
+        ys.append((s * C[:, t, None, :]).sum(-1))               # (B, D)
+    return torch.stack(ys, dim=1) + x * D
+
+
+def selective_scan(x, delta, A, B, C, D):
+    """The same loop over unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero
+    tensor per step in backward), with the C readout done once over all stacked states."""
+    dA = torch.exp(delta[..., None] * A).unbind(1)
+    dBx = (delta[..., None] * B[:, :, None, :] * x[..., None]).unbind(1)
+    s, states = torch.zeros_like(dA[0]), []
+    for a, bx in zip(dA, dBx):
+        s = a * s + bx
+        states.append(s)
+    return torch.einsum("bldn,bln->bld", torch.stack(states, 1), C) + x * D
+
+
+# ----------------------------------------------------------------------------------------------------
+# DeltaNet's delta rule (Schlag et al. 2021; Yang et al. 2024), state S (d_k, d_v), S_0 = 0:
+#     S_t = S_{t-1} + k_t u_tᵀ,  u_t = β_t (v_t - S_{t-1}ᵀ k_t),   o_t = S_tᵀ q_t
+
+def delta_rule_ref(q, k, v, beta):
+    """q, k (B, L, dk), v (B, L, dv), beta (B, L) -> o (B, L, dv). The token loop."""
+    S = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
+    out = []
+    for t in range(q.shape[1]):
+        kt, vt, qt, bt = k[:, t], v[:, t], q[:, t], beta[:, t, None]
+        u = bt * (vt - torch.einsum("bkv,bk->bv", S, kt))
+        S = S + kt[:, :, None] * u[:, None, :]
+        out.append(torch.einsum("bkv,bk->bv", S, qt))
+    return torch.stack(out, dim=1)
+
+
+def delta_rule(q, k, v, beta, chunk=64):
+    """The chunked WY/UT form. Inside a chunk with start state S0, the new values u solve
+        (I + diag(β) tril(K Kᵀ, -1)) u = diag(β) (V - K S0),
+    a unit lower-triangular system: u = U - W S0 with [U | W] solved once for all chunks. Then
+        o = Q S0 + tril(Q Kᵀ) u,   S_next = S0 + Kᵀ u.
+    Only the state update runs as a loop over chunks (one chunk covers an AR document)."""
+    Bsz, L, dk = k.shape
+    n = -(-L // chunk)
+    pad = n * chunk - L  # zero keys, values and betas leave the state unchanged
+
+    def chunks(t):
+        return F.pad(t, (0, 0, 0, pad)).reshape(Bsz, n, chunk, t.shape[-1])
+    q_, k_, v_ = chunks(q), chunks(k), chunks(v)
+    b_ = F.pad(beta, (0, pad)).reshape(Bsz, n, chunk, 1)
+    eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
+    M = eye + (b_ * (k_ @ k_.transpose(-1, -2))).tril(-1)                         # (B, n, C, C)
+    UW = torch.linalg.solve_triangular(M, b_ * torch.cat([v_, k_], -1), upper=False, unitriangular=True)
+    U, W = UW[..., :v.shape[-1]], UW[..., v.shape[-1]:]
+    attn = (q_ @ k_.transpose(-1, -2)).tril()                                     # (B, n, C, C)
+    S, out = q.new_zeros(Bsz, dk, v.shape[-1]), []
+    for i in range(n):
+        u = U[:, i] - W[:, i] @ S                                                 # (B, C, dv)
+        out.append(q_[:, i] @ S + attn[:, i] @ u)
+        S = S + k_[:, i].transpose(1, 2) @ u
+    return torch.cat(out, dim=1)[:, :L]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Benchmark: python kernels.py
+
+def _inputs(op, B, L, d, gen):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    if op == "short_conv":
+        return [r(B, L, 2 * d), r(2 * d, 4), r(2 * d)]
+    if op == "long_conv":
+        return [r(B, L, d), r(d, L) * 0.1]
+    if op == "based_attention":
+        return [r(B, L, 8), r(B, L, 8), r(B, L, d)]
+    if op == "selective_scan":
+        D = 2 * d
+        return [r(B, L, D), torch.nn.functional.softplus(r(B, L, D)), -torch.rand(D, 16, generator=gen) * 4,
+                r(B, L, 16), r(B, L, 16), r(D)]
+    qk = F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1)
+    return [*qk, r(B, L, d), torch.rand(B, L, generator=gen)]
+
+
+PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref, long_conv),
+         "based_attention": (based_attention_ref, based_attention),
+         "selective_scan": (selective_scan_ref, selective_scan), "delta_rule": (delta_rule_ref, delta_rule)}
+COMPILABLE = ("short_conv", "based_attention") if "--no-compile" not in sys.argv else ()
+
+
+def _time_fwd_bwd(fn, args, device, reps):
+    args = [a.detach().to(device).requires_grad_(a.is_floating_point()) for a in args]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def once():
+        y = fn(*args)
+        y.backward(torch.ones_like(y))
+    once()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        once()
+    sync()
+    return (time.perf_counter() - t0) / reps * 1000
+
+
+def benchmark(device="cpu", reps=5, shapes=((32, 37, 64), (32, 200, 64))):
+    print(f"kernels.py benchmark on {device}: forward + backward, ms per call (B, L, d); "
+          f"ratio = reference / fast")
+    print(f"{'op':<16}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}{'compiled':>10}{'ratio':>8}{'compile s':>11}")
+    gen = torch.Generator().manual_seed(0)
+    for op, (ref, fast) in PAIRS.items():
+        for B, L, d in shapes:
+            args = _inputs(op, B, L, d, gen)
+            t_ref = _time_fwd_bwd(ref, args, device, reps)
+            set_compile(False)
+            t_fast = _time_fwd_bwd(fast, args, device, reps)
+            comp = ""
+            if op in COMPILABLE:
+                set_compile(True)
+                t0 = time.perf_counter()
+                _time_fwd_bwd(fast, args, device, 0)   # the first call compiles
+                t_compile = time.perf_counter() - t0
+                t_comp = _time_fwd_bwd(fast, args, device, reps)
+                set_compile(False)
+                comp = f"{t_comp:10.2f}{t_ref / t_comp:7.1f}x{t_compile:11.1f}"
+            print(f"{op:<16}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x{comp}")
+
+
+if __name__ == "__main__":
+    torch.set_flush_denormal(True)
+    benchmark("cpu")
+    if torch.cuda.is_available():
+        benchmark("cuda", reps=20)

@@ -520,3 +520,132 @@ def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
 def test_device_auto():
     expected = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     assert m.pick_device("auto") == expected
+
+
+# -------------------------------------------------------------------------------- kernels and mixers
+
+import kernels  # noqa: E402
+
+
+def check_pair(ref, fast, args, rtol=1e-4, atol=1e-5, **kw):
+    """fast equals ref on the output and on every input gradient (one random upstream gradient)."""
+    args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    y_ref = ref(*args, **kw)
+    gy = torch.randn_like(y_ref)
+    g_ref = torch.autograd.grad(y_ref, args, gy)
+    y_fast = fast(*args, **kw)
+    g_fast = torch.autograd.grad(y_fast, args, gy)
+    torch.testing.assert_close(y_fast, y_ref, rtol=rtol, atol=atol, msg="output")
+    for i, (a, b) in enumerate(zip(g_fast, g_ref)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"gradient of input {i}")
+
+
+@pytest.mark.parametrize("op", sorted(kernels.PAIRS))
+@pytest.mark.parametrize("L", [1, 7, 37, 65, 200])
+def test_kernel_fast_equals_reference(op, L):
+    ref, fast = kernels.PAIRS[op]
+    args = kernels._inputs(op, 3, L, 16, torch.Generator().manual_seed(L))
+    check_pair(ref, fast, args)
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+def test_delta_rule_chunk_sizes_and_extreme_betas(chunk):
+    gen = torch.Generator().manual_seed(chunk)
+    q, k, v, _ = kernels._inputs("delta_rule", 2, 37, 8, gen)
+    for beta in (torch.full((2, 37), 1e-4), torch.full((2, 37), 1 - 1e-4), torch.rand(2, 37, generator=gen)):
+        check_pair(kernels.delta_rule_ref, lambda *a: kernels.delta_rule(*a, chunk=chunk), [q, k, v, beta])
+
+
+def test_selective_scan_large_delta():
+    x, delta, A, B, C, D = kernels._inputs("selective_scan", 2, 37, 8, torch.Generator().manual_seed(0))
+    check_pair(kernels.selective_scan_ref, kernels.selective_scan, [x, delta * 50 + 5, A, B, C, D])
+
+
+def test_long_conv_is_causal_and_cuts_long_filters():
+    gen = torch.Generator().manual_seed(0)
+    u, h = torch.randn(2, 20, 3, generator=gen), torch.randn(3, 64, generator=gen)
+    y = kernels.long_conv(u, h)
+    torch.testing.assert_close(y, kernels.long_conv_ref(u, h), rtol=1e-4, atol=1e-5)
+    u2 = u.clone()
+    u2[:, 12] += 1
+    assert (kernels.long_conv(u2, h)[:, :12] - y[:, :12]).abs().max() < 1e-5
+
+
+def test_compiled_equals_eager():
+    """torch.compile (fullgraph) of the loop-free fast forms gives the eager results; small shapes only."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for op in kernels.COMPILABLE:
+            ref, fast = kernels.PAIRS[op]
+            args = kernels._inputs(op, 2, 9, 8, gen)
+            kernels.set_compile(True)
+            check_pair(ref, fast, args)
+    finally:
+        kernels.set_compile(False)
+    assert all(c is not f for f, c in kernels._COMPILE["cache"].items()), "compilation fell back to eager"
+
+
+MIXER_PARAMS = {  # archs.md §10 at d=64: per-layer mixer parameters, and all blocks together
+    ("attention", "auto"): ([16_448, 16_448], 99_584), ("based", "auto"): ([4_416, 9_216], 80_320),
+    ("based", "long"): ([8_384, 9_216], 84_288), ("base_conv", "auto"): ([4_416, 8_384], 79_488),
+    ("base_conv", "long"): ([8_384, 8_384], 83_456), ("hyena", "auto"): ([33_280, 33_280], 133_248),
+    ("h3", "auto"): ([246_144, 246_144], 558_976), ("mamba", "auto"): ([32_640, 32_640], 65_408),
+    ("mamba", "3"): ([32_512] * 2, None), ("mamba", "2"): ([32_384] * 2, None), ("mamba", "1"): ([32_256] * 2, None),
+    ("mamba", "0"): ([32_640] * 2, None),  # the unused width-4 conv is still built, as in tinylang
+    ("deltanet", "auto"): ([17_280, 17_280], None),  # archs.md's 17,280 for one head
+}
+
+
+@pytest.mark.parametrize("arch, d_conv", sorted(MIXER_PARAMS))
+def test_mixer_parameter_counts_match_the_paper(arch, d_conv):
+    model = m.build_model(m.Config(arch=arch, d_conv=d_conv), 8196)
+    mixers, blocks = MIXER_PARAMS[arch, d_conv]
+    assert [sum(p.numel() for p in b.mixer.parameters()) for b in model.blocks] == mixers
+    if blocks:
+        assert sum(p.numel() for p in model.blocks.parameters()) == blocks
+
+
+@pytest.mark.parametrize("arch", sorted(m.ARCHS))
+def test_every_architecture_is_strictly_causal(arch):
+    cfg = m.Config(arch=arch, d_model=32)
+    model = m.build_model(cfg, 40)
+    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)
+        for t in (0, 9, 22):
+            ids2 = ids.clone()
+            ids2[:, t] = (ids2[:, t] - 3 + 1) % 37 + 3
+            logits2 = model(ids2)
+            before = (logits2[:, :t] - logits[:, :t]).abs().max().item() if t else 0.0
+            assert before < 1e-5, f"{arch}: changing token {t} moved earlier logits by {before}"
+            assert (logits2[:, t] - logits[:, t]).abs().max() > 1e-4, f"{arch}: token {t} has no effect"
+
+
+def loss_falls(cfg, tmp_path):
+    res = m.train(m.Config(**{**dict(d_model=32, steps=200, eval_every=50, target_acc=0, mechanism=False,
+                                     out_dir=str(tmp_path), n_eval=64), **cfg}), log=lambda s: None)
+    losses = [h["loss"] for h in res["history"]]  # mean training loss of each 50-step interval
+    assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, f"{cfg}: {losses}"
+    return res
+
+
+@pytest.mark.parametrize("arch", sorted(m.ARCHS))
+def test_every_architecture_trains_on_small_ar_and_atr(arch, tmp_path):
+    loss_falls(dict(arch=arch, n_pairs=4, n_keys=32, n_values=32, n_train=2000), tmp_path)
+    loss_falls(dict(arch=arch, task="atr", n_train=2000), tmp_path)
+
+
+@pytest.mark.parametrize("arch, d_conv", [("mamba", w) for w in "01234"] + [("based", w) for w in ["1", "2", "3", "4", "long"]])
+def test_conv_width_ablations_build_run_and_train(arch, d_conv, tmp_path):
+    loss_falls(dict(arch=arch, d_conv=d_conv, n_pairs=4, n_keys=32, n_values=32, n_train=2000), tmp_path)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--arch", "hyena", "--d_conv", "3"], ["d_conv", "arch=hyena"]),
+    (["--arch", "mamba", "--d_conv", "5"], ["d_conv=5", "0, 1, 2, 3, 4"]),
+    (["--arch", "based", "--d_conv", "0"], ["d_conv=0", "long"]),
+])
+def test_invalid_conv_widths_are_rejected(argv, words, capsys, tmp_path):
+    assert m.main(argv + ["--out_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words) and err.count("\n") == 1

@@ -52,7 +52,7 @@ ATR_SETTINGS = {          # name -> (L = longest rule body + 1, number of termin
 }
 PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
 ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
-DEFAULT_LR = {}  # name -> peak learning rate measured to work on the paper's AR at d=64
+DEFAULT_LR = {}  # name -> default peak learning rate (the README says which are validated on the paper's AR)
 
 
 class ConfigError(ValueError):
@@ -157,6 +157,8 @@ class Config:
         if self.task == "ar" and 2 * self.n_pairs + 5 > MAX_LEN:
             raise ConfigError(f"n_pairs={self.n_pairs} makes documents of {2 * self.n_pairs + 5} tokens; "
                               f"the longest allowed is {MAX_LEN} (n_pairs <= {(MAX_LEN - 5) // 2})")
+        if self.arch == "h3" and self.d_model % 2:
+            raise ConfigError(f"h3 splits d_model into heads of 2 channels; d_model={self.d_model} must be even")
         if self.task == "ar" and self.atr_split != "iid":
             raise ConfigError(f"atr_split={self.atr_split} is an ATR option; with task=ar use atr_split=iid")
         if self.batch_size > self.n_train:
@@ -563,8 +565,6 @@ class H3(nn.Module):
     def __init__(self, cfg, layer_idx, d_state=1024, head_dim=2):
         super().__init__()
         d, N = cfg.d_model, d_state
-        if d % head_dim:
-            raise ConfigError(f"h3 needs d_model divisible by its head dim {head_dim}, not {d}")
         H, self.hd = d // head_dim, head_dim
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.output_linear = nn.Linear(d, d)

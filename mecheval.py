@@ -502,7 +502,7 @@ class BasedAttention(nn.Module):
         return self.proj_o(kernels.based_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x)))
 
 
-@register("based", lr=3e-3)
+@register("based", lr=1e-3)
 def based(cfg, layer_idx):
     """Based = zoology's Hybrid: BaseConv with a short conv (width 3, --d_conv 1-4 or long) in even
     layers, Taylor linear attention in odd layers. A 1-layer Based model is therefore only a BaseConv."""

@@ -37,7 +37,11 @@ def _compiled(fn):
         return fn
     cache = _COMPILE["cache"]
     if fn not in cache:
-        cache[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+        try:
+            cache[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+        except Exception as e:  # noqa: BLE001 - torch.compile unavailable here (platform, version)
+            print(f"kernels: torch.compile is unavailable ({type(e).__name__}: {e}); running eager", file=sys.stderr)
+            cache[fn] = fn
     compiled = cache[fn]
     if compiled is fn:
         return fn

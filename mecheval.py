@@ -512,7 +512,8 @@ def based(cfg, layer_idx):
 @register("base_conv", lr=3e-3)
 def base_conv(cfg, layer_idx):
     """BaseConv with zoology's kernel_size=[3, -1, 3, -1]: short (width 3) in even layers, implicit long in
-    odd ones. --d_conv K (1-4) or long makes every layer that kind, as the paper's ablation override."""
+    odd ones. --d_conv K (1-4) or long makes every layer that kind, as the paper's ablation override.
+    Deviation: zoology's list raises past 4 layers; here the alternation continues for any depth."""
     width = conv_width(cfg, None)
     return BaseConv(cfg.d_model, width if width is not None else (3 if layer_idx % 2 == 0 else "long"))
 

@@ -30,7 +30,7 @@ import random
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -1144,6 +1144,103 @@ def format_mechanism(mech):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Experiments: learning-rate x width sweeps with best-run selection, as the paper reports its numbers.
+
+PAPER_WIDTHS = (16, 32, 64, 128, 256)
+PAPER_AR = {  # AR accuracy (%) by width, 2 layers, best learning rate per width (paper.md)
+    "attention": (6.56, 100, 100, 100, 100), "based": (24.38, 93.12, 99.06, 98.75, 99.06),
+    "mamba": (10.00, 76.88, 80.62, 89.69, 91.25), "hyena": (0.62, 0.94, 2.81, 13.75, 29.69),
+    "base_conv": (0.00, 0.94, 3.75, 6.56, 9.69), "h3": (0.94, 0.62, 1.88, 2.50, 1.56)}
+PAPER_ATR_EASY = {  # ATR easy accuracy (%) at d = 16 / 64 / 256
+    "attention": (68.4, 93.8, 96.3), "based": (82.2, 91.9, 92.2), "mamba": (91.3, 96.3, 96.3),
+    "h3": (81.9, 90.0, 94.1), "hyena": (75.9, 85.3, 93.8), "base_conv": (67.5, 82.5, 90.0)}
+FINISHED = ("completed", "target reached", "nonfinite")
+
+
+def paper_lrs(task, arch):
+    """The paper's learning-rate grid: 3e-5 .. 3e-3, plus 1e-2 and 3e-2 for non-attention models on AR."""
+    return (3e-5, 1e-4, 3e-4, 1e-3, 3e-3) + ((1e-2, 3e-2) if task == "ar" and arch != "attention" else ())
+
+
+def paper_acc(task, arch, atr_setting, d):
+    if task == "ar" and arch in PAPER_AR and d in PAPER_WIDTHS:
+        return PAPER_AR[arch][PAPER_WIDTHS.index(d)]
+    if task == "atr" and atr_setting == "easy" and arch in PAPER_ATR_EASY and d in (16, 64, 256):
+        return PAPER_ATR_EASY[arch][(16, 64, 256).index(d)]
+    return None
+
+
+def run_or_load(cfg, log=print):
+    """The results of cfg's run: read from its folder when a finished run with the same settings is
+    there (so an interrupted sweep resumes), otherwise trained now. A NaN loss is a finished result."""
+    path = os.path.join(cfg.out_dir, cfg.run_name, "results.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("status") in FINISHED and old.get("config") == asdict(cfg):
+            return old
+    try:
+        return train(cfg, log=log)
+    except NonFiniteLoss as e:
+        log(f"{cfg.run_name}: {e}")
+        with open(path) as f:
+            return json.load(f)
+
+
+def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker processes
+    return run_or_load(cfg, log=lambda s: None)
+
+
+def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
+    """Train base at every width x learning rate (finished runs are reused), keep the best learning rate
+    per width (highest final accuracy, then mean answer probability), and write summary.md and
+    summary.json to base.out_dir: accuracy beside the paper's, and the last layer's block_input
+    attribution at value / key / query of each best run. Returns the summary dict."""
+    lrs = lrs or paper_lrs(base.task, base.arch)
+    cfgs = [replace(base, d_model=d, lr=lr, run_name="") for d in widths for lr in lrs]
+    log(f"sweep: {base.arch} on {base.task}, widths {list(widths)} x learning rates {list(lrs)}: "
+        f"{len(cfgs)} runs in {base.out_dir}")
+    if jobs > 1:
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            results = list(ex.map(_quiet_run, cfgs))
+    else:
+        results = []
+        for i, cfg in enumerate(cfgs):
+            results.append(_quiet_run(cfg))
+            r = results[-1]
+            log(f"  [{i + 1}/{len(cfgs)}] d={cfg.d_model} lr={cfg.lr:g}: {r['status']}, "
+                f"acc {r.get('final_acc', 0.0):.4f}")
+    rows = []
+    for d in widths:
+        runs = [(cfg, r) for cfg, r in zip(cfgs, results) if cfg.d_model == d]
+        cfg, best = max(runs, key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
+        mech = best.get("mechanism") or {}
+        attr = {g["position"]: g["attribution"] for g in mech.get("grid", [])
+                if g["site"] == "block_input" and g["layer"] == base.n_layers - 1}
+        rows.append({"d_model": d, "best_lr": cfg.lr, "acc": 100 * best.get("final_acc", 0.0),
+                     "paper_acc": paper_acc(base.task, base.arch, base.atr_setting, d),
+                     "attribution": {k: attr.get(k) for k in ("value", "key", "query")},
+                     "verdict": mech.get("verdict"), "run": cfg.run_name,
+                     "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
+    summary = {"task": base.task, "arch": base.arch, "atr_setting": base.atr_setting, "rows": rows}
+    write_json(os.path.join(base.out_dir, "summary.json"), summary)
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    lines = [f"{base.arch} on {base.task}: best learning rate per width", "",
+             "| d | best lr | accuracy % | paper % | value | key | query | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r["attribution"]
+        lines.append(f"| {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {fmt(r['paper_acc'])} | "
+                     f"{fmt(a['value'])} | {fmt(a['key'])} | {fmt(a['query'])} | "
+                     f"{(r['verdict'] or '-').split(' (')[0].split(':')[0]} |")
+    with open(os.path.join(base.out_dir, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------
 # Command line: one flag per Config field, plus --load.
 
 class _Parser(argparse.ArgumentParser):
@@ -1160,6 +1257,18 @@ def _bool(s):
     raise argparse.ArgumentTypeError(f"expected true or false, not '{s}'")
 
 
+def _numbers(kind):
+    def parse(s):
+        try:
+            values = tuple(kind(v) for v in s.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, not '{s}'") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive numbers, not '{s}'")
+        return values
+    return parse
+
+
 def parse_args(argv=None):
     """The flags given on the command line (only those), as a dict."""
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
@@ -1170,6 +1279,14 @@ def parse_args(argv=None):
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")
     p.add_argument("--load", default=argparse.SUPPRESS, metavar="RUN",
                    help="evaluate a saved run folder instead of training")
+    p.add_argument("--sweep", action="store_true", default=argparse.SUPPRESS,
+                   help="train every width x learning rate, keep the best per width, write out_dir/summary.md")
+    p.add_argument("--widths", type=_numbers(int), default=argparse.SUPPRESS, metavar="D,D,...",
+                   help=f"with --sweep: the widths (default: {','.join(map(str, PAPER_WIDTHS))})")
+    p.add_argument("--lrs", type=_numbers(float), default=argparse.SUPPRESS, metavar="LR,LR,...",
+                   help="with --sweep: the learning rates (default: the paper's grid for the task and arch)")
+    p.add_argument("--jobs", type=int, default=argparse.SUPPRESS,
+                   help="with --sweep: runs trained at once in separate processes (for a GPU)")
     p.add_argument("--analyze", action="store_true", default=argparse.SUPPRESS,
                    help="with --load: also run the interchange-intervention grid (saved in RUN/results.json)")
     return vars(p.parse_args(argv))
@@ -1178,7 +1295,16 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     analyze = args.pop("analyze", False)
+    grid = {k: args.pop(k) for k in ("sweep", "widths", "lrs", "jobs") if k in args}
     try:
+        if grid and not grid.get("sweep"):
+            raise ConfigError(f"--{next(iter(grid))} belongs to a sweep; add --sweep")
+        if grid.get("jobs", 1) < 1:
+            raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
+        if grid:
+            base = Config(**args)
+            sweep(base, grid.get("widths", PAPER_WIDTHS), grid.get("lrs"), grid.get("jobs", 1))
+            return 0
         if "load" in args:
             run_dir = args.pop("load")
             cfg, model = load_run(run_dir, expect=args)

@@ -649,3 +649,45 @@ def test_invalid_conv_widths_are_rejected(argv, words, capsys, tmp_path):
     assert m.main(argv + ["--out_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words) and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------- sweeps
+
+def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
+    base = m.Config(n_pairs=3, n_keys=10, n_values=10, n_train=300, n_eval=40, steps=30, eval_every=15,
+                    target_acc=0, out_dir=str(tmp_path))
+    summary = m.sweep(base, widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
+    assert [r["d_model"] for r in summary["rows"]] == [8, 16]
+    for row in summary["rows"]:
+        accs = row["acc_by_lr"]
+        assert set(accs) == {"0.0001", "0.03"} and row["acc"] == max(accs.values())
+        assert float(row["best_lr"]) in (1e-4, 3e-2) and accs[f"{row['best_lr']:g}"] == row["acc"]
+        assert set(row["attribution"]) == {"value", "key", "query"}
+    assert summary["rows"][0]["paper_acc"] is None  # the paper has no d=8
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert "| 16 |" in (tmp_path / "summary.md").read_text()
+    # resume: a killed run (results.json still 'running') is trained again, finished ones are reused
+    killed = os.path.join(str(tmp_path), summary["rows"][0]["run"], "results.json")
+    res = json.loads(open(killed).read())
+    res["status"] = "running"
+    open(killed, "w").write(json.dumps(res))
+    trained = []
+    real_train = m.train
+    m.train = lambda cfg, log=print: trained.append(cfg.run_name) or real_train(cfg, log=log)
+    try:
+        again = m.sweep(base, widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
+    finally:
+        m.train = real_train
+    assert trained == [summary["rows"][0]["run"]]
+    assert again["rows"] == summary["rows"]
+
+
+def test_sweep_cli_and_paper_grids(tmp_path, capsys):
+    assert m.paper_lrs("ar", "attention") == (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
+    assert m.paper_lrs("ar", "mamba")[-2:] == (1e-2, 3e-2) and len(m.paper_lrs("atr", "mamba")) == 5
+    assert m.paper_acc("ar", "based", "easy", 64) == 99.06 and m.paper_acc("atr", "mamba", "easy", 16) == 91.3
+    assert m.main(["--lrs", "1e-3"]) == 2 and "add --sweep" in capsys.readouterr().err
+    argv = TINY + ["--sweep", "--widths", "8", "--lrs", "1e-3,3e-3", "--out_dir", str(tmp_path)]
+    assert m.main(argv) == 0
+    assert "best learning rate per width" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 1

@@ -4,7 +4,7 @@ definition you learn from) beside a fast form that gives the same outputs and gr
 
     op                  reference (definition)                 fast form
     short_conv          shift-and-add over the k taps          F.conv1d, depthwise (compiled: shift-and-add)
-    long_conv           sum over lags of shifted inputs        rfft / irfft with n = 2L
+    long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 64), rfft / irfft (n = 2L)
     based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
     selective_scan      Mamba-1 loop indexing (B, L, D, N)     loop over unbind() slices, one readout
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
@@ -95,8 +95,15 @@ def long_conv_ref(u, h):
 
 
 def long_conv(u, h):
-    """The same by FFT of size 2L: zero-padding to 2L makes the circular convolution causal."""
+    """Fast long convolution. Short sequences (L <= 64, every AR document) multiply by the causal
+    Toeplitz matrix T[c, t, s] = h[c, t-s] (3-4x faster than the FFT at L=37 on a CPU); longer ones
+    use the FFT of size 2L, where zero-padding to 2L makes the circular convolution causal."""
     L = u.shape[1]
+    if L <= 64:
+        i = torch.arange(L, device=u.device)
+        lag = i[:, None] - i[None, :]                                   # (t, s)
+        T = h[:, :L][:, lag.clamp(min=0)] * (lag >= 0)                  # (C, L, L), zero above the diagonal
+        return torch.einsum("cts,bsc->btc", T, u)
     n = 2 * L
     U = torch.fft.rfft(u, n=n, dim=1)                    # (B, L+1, C)
     H = torch.fft.rfft(h[:, :L], n=n, dim=1)             # (C, L+1)

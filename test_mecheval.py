@@ -691,3 +691,17 @@ def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert m.main(argv) == 0
     assert "best learning rate per width" in capsys.readouterr().out
     assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 1
+
+
+def test_h3_ssm_kernel_matches_the_complex_formula():
+    h3 = m.H3(m.Config(arch="h3", d_model=8), 0).double()
+    with torch.no_grad():
+        h3.inv_A_real.uniform_(-2, 1)
+        h3.log_dt.uniform_(-5, -1)
+    L = 40
+    dt = h3.log_dt.exp()[:, None]
+    A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)
+    lam = (1 + dt * A / 2) / (1 - dt * A / 2)
+    Ct = torch.view_as_complex(h3.C) * torch.view_as_complex(h3.B) * dt / (1 - dt * A / 2)
+    want = torch.stack([2 * (Ct * lam ** t).sum(1).real for t in range(L)], dim=1)  # K[h, t]
+    torch.testing.assert_close(h3.ssm_kernel(L), want, rtol=1e-9, atol=1e-9)

@@ -535,9 +535,10 @@ def check_pair(ref, fast, args, rtol=1e-4, atol=1e-5, **kw):
     g_ref = torch.autograd.grad(y_ref, args, gy)
     y_fast = fast(*args, **kw)
     g_fast = torch.autograd.grad(y_fast, args, gy)
-    torch.testing.assert_close(y_fast, y_ref, rtol=rtol, atol=atol, msg="output")
+    scale = lambda t: atol * max(1.0, t.abs().max().item())  # fp32 rounding grows with the magnitude
+    torch.testing.assert_close(y_fast, y_ref, rtol=rtol, atol=scale(y_ref), msg="output")
     for i, (a, b) in enumerate(zip(g_fast, g_ref)):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"gradient of input {i}")
+        torch.testing.assert_close(a, b, rtol=rtol, atol=scale(b), msg=f"gradient of input {i}")
 
 
 @pytest.mark.parametrize("op", sorted(kernels.PAIRS))

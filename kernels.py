@@ -191,7 +191,7 @@ def delta_rule(q, k, v, beta, chunk=64):
     a unit lower-triangular system: u = U - W S0 with [U | W] solved once for all chunks. Then
         o = Q S0 + tril(Q Kᵀ) u,   S_next = S0 + Kᵀ u.
     Only the state update runs as a loop over chunks (one chunk covers an AR document)."""
-    Bsz, L, dk = k.shape
+    Bsz, L = k.shape[:2]
     chunk = min(chunk, L)  # a short sequence is one chunk of its own length, not padded to 64
     n = -(-L // chunk)
     pad = n * chunk - L  # zero keys, values and betas leave the state unchanged
@@ -205,11 +205,12 @@ def delta_rule(q, k, v, beta, chunk=64):
     UW = torch.linalg.solve_triangular(M, b_ * torch.cat([v_, k_], -1), upper=False, unitriangular=True)
     U, W = UW[..., :v.shape[-1]], UW[..., v.shape[-1]:]
     attn = (q_ @ k_.transpose(-1, -2)).tril()                                     # (B, n, C, C)
-    S, out = q.new_zeros(Bsz, dk, v.shape[-1]), []
+    S, out = None, []  # S = None: the zero state of the first chunk, skipped rather than multiplied
     for i in range(n):
-        u = U[:, i] - W[:, i] @ S                                                 # (B, C, dv)
-        out.append(q_[:, i] @ S + attn[:, i] @ u)
-        S = S + k_[:, i].transpose(1, 2) @ u
+        u = U[:, i] if S is None else U[:, i] - W[:, i] @ S                      # (B, C, dv)
+        out.append(attn[:, i] @ u if S is None else q_[:, i] @ S + attn[:, i] @ u)
+        if i < n - 1:
+            S = k_[:, i].transpose(1, 2) @ u if S is None else S + k_[:, i].transpose(1, 2) @ u
     return torch.cat(out, dim=1)[:, :L]
 
 

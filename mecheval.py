@@ -1244,6 +1244,33 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
     return summary
 
 
+def bench_steps(cfg, n=30, log=print):
+    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes on cfg's
+    task, and the ratio to attention's. A benchmark that prints, not a test: timings are noisy."""
+    device = pick_device(cfg.device)
+    kernels.set_compile(cfg.compile)
+    task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
+    ids, q = task.train.input_ids.to(device), task.train.pos["query"].to(device)
+    ans, times = task.train.answers.to(device), {}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}")
+    for arch in ARCHS:
+        model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.startswith(("cpu", "cuda")))
+        for i in range(n + 3):
+            if i == 3:  # warm-up steps excluded
+                sync()
+                t0 = time.perf_counter()
+            loss = F.cross_entropy(answer_logits(model, ids, q), ans)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        sync()
+        times[arch] = 1000 * (time.perf_counter() - t0) / n
+        log(f"{arch:<10} {times[arch]:8.2f} ms/step {times[arch] / times['attention']:6.2f}x attention")
+    return times
+
+
 # ----------------------------------------------------------------------------------------------------
 # Command line: one flag per Config field, plus --load.
 
@@ -1291,6 +1318,8 @@ def parse_args(argv=None):
                    help="with --sweep: the learning rates (default: the paper's grid for the task and arch)")
     p.add_argument("--jobs", type=int, default=argparse.SUPPRESS,
                    help="with --sweep: runs trained at once in separate processes (for a GPU)")
+    p.add_argument("--bench", action="store_true", default=argparse.SUPPRESS,
+                   help="time a training step of every architecture at these settings, relative to attention")
     p.add_argument("--analyze", action="store_true", default=argparse.SUPPRESS,
                    help="with --load: also run the interchange-intervention grid (saved in RUN/results.json)")
     return vars(p.parse_args(argv))
@@ -1300,7 +1329,12 @@ def main(argv=None):
     args = parse_args(argv)
     analyze = args.pop("analyze", False)
     grid = {k: args.pop(k) for k in ("sweep", "widths", "lrs", "jobs") if k in args}
+    bench = args.pop("bench", False)
     try:
+        if bench:
+            torch.set_flush_denormal(True)
+            bench_steps(Config(**args))
+            return 0
         if grid and not grid.get("sweep"):
             raise ConfigError(f"--{next(iter(grid))} belongs to a sweep; add --sweep")
         if grid.get("jobs", 1) < 1:

@@ -706,3 +706,9 @@ def test_h3_ssm_kernel_matches_the_complex_formula():
     Ct = torch.view_as_complex(h3.C) * torch.view_as_complex(h3.B) * dt / (1 - dt * A / 2)
     want = torch.stack([2 * (Ct * lam ** t).sum(1).real for t in range(L)], dim=1)  # K[h, t]
     torch.testing.assert_close(h3.ssm_kernel(L), want, rtol=1e-9, atol=1e-9)
+
+
+def test_bench_steps_times_every_architecture(capsys):
+    times = m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4), n=1)
+    assert set(times) == set(m.ARCHS) and all(t > 0 for t in times.values())
+    assert "x attention" in capsys.readouterr().out

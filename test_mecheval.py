@@ -623,7 +623,7 @@ def test_every_architecture_is_strictly_causal(arch):
 
 
 def loss_falls(cfg, tmp_path):
-    res = m.train(m.Config(**{**dict(d_model=32, steps=200, eval_every=50, target_acc=0, mechanism=False,
+    res = m.train(m.Config(**{**dict(d_model=32, steps=200, eval_every=50, target_acc=0, mechanism=False, lr=3e-3,
                                      out_dir=str(tmp_path), n_eval=64), **cfg}), log=lambda s: None)
     losses = [h["loss"] for h in res["history"]]  # mean training loss of each 50-step interval
     assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, f"{cfg}: {losses}"

@@ -6,20 +6,23 @@ A minimal PyTorch reimplementation of
     "Mechanistic evaluation of Transformers and state space models", arXiv 2505.15105.
 The paper trains tiny 2-layer models on two recall tasks and asks not only *whether* they recall but
 *how*: by induction (the answer is stored at the value token) or by direct retrieval (computed at the
-query). This file holds the tasks, the models and the training loop.
+query). This file holds the tasks, the seven models, the training loop, the interchange interventions
+that read a model's mechanism, and the sweeps; kernels.py holds the fast forms of the expensive ops.
 
 Run (CPU or one GPU):
     python mecheval.py --arch attention --task ar                   # the paper's AR, d=64, 2 layers
     python mecheval.py --arch attention --task atr --atr_setting easy
-    python mecheval.py --arch attention --task ar --n_pairs 4 --n_keys 32 --n_values 32 \\
-        --n_train 4000 --steps 600 --eval_every 100                 # a small AR, ~10 s on a laptop CPU
+    python mecheval.py --arch based --task ar --n_pairs 4 --n_keys 16 --n_values 16 --d_model 48 \\
+        --n_train 50000 --batch_size 256 --lr 3e-3 --steps 3000 --target_acc 0.95   # ~30 s on a CPU
     python mecheval.py --load runs/ar_attention_d64_l2_lr0.001_s0  # re-evaluate a saved run
 
 Glossary of shape letters:
     B batch, T sequence length, d model width (d_model), V vocabulary size, N documents in a split,
-    P key-value pairs in an AR document.
+    P key-value pairs in an AR document; in the Mamba mixer and the scans D = inner channels (2d) and
+    N = state size, H = heads (H3).
 
-Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> command line.
+Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> interchange
+interventions -> experiments (sweeps, benchmark) -> command line.
 """
 import argparse
 import bisect

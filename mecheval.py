@@ -1247,6 +1247,56 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
     return summary
 
 
+def presets():
+    """The paper's experiments as named lists of (label, settings); each entry is swept over the widths
+    and the paper's learning rates for its task and architecture."""
+    archs = list(ARCHS)
+    return {
+        "ar": [(a, dict(task="ar", arch=a)) for a in archs],
+        **{f"atr_{s}": [(a, dict(task="atr", arch=a, atr_setting=s)) for a in archs] for s in ATR_SETTINGS},
+        "mamba_conv": [(f"mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w)) for w in "01234"],
+        "based_conv": [(f"based_c{w}", dict(task="ar", arch="based", d_conv=w)) for w in ("1", "2", "3", "4", "long")],
+        "layers": [(f"{a}_{n}l", dict(task="ar", arch=a, n_layers=n)) for a in archs for n in (1, 3)],
+        "atr_gen": [(f"{a}_{split}", dict(task="atr", arch=a, atr_split=split)) for a in archs for split in ("dev", "test")],
+        "seeds": [(f"{a}_s{seed}", dict(task="ar", arch=a, seed=seed)) for a in archs for seed in (0, 1, 2)],
+    }
+
+
+def run_preset(name, base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
+    """Every sweep of a preset into base.out_dir/<label>/, then one summary.md / summary.json over all of
+    them; entries that differ only in their seed are also given as mean ± standard deviation."""
+    table = presets()
+    if name not in table:
+        raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
+    rows = []
+    for label, settings in table[name]:
+        cfg = replace(base, **settings, out_dir=os.path.join(base.out_dir, label), run_name="")
+        for row in sweep(cfg, widths, lrs, jobs, log)["rows"]:
+            rows.append({"label": label, "group": label.rsplit("_s", 1)[0] if name == "seeds" else label, **row})
+    spread = []
+    for group in dict.fromkeys(r["group"] for r in rows):
+        for d in widths:
+            accs = torch.tensor([r["acc"] for r in rows if r["group"] == group and r["d_model"] == d])
+            if len(accs) > 1:
+                spread.append({"group": group, "d_model": d, "mean": accs.mean().item(), "std": accs.std().item(),
+                               "n": len(accs)})
+    summary = {"preset": name, "rows": rows, "spread": spread}
+    write_json(os.path.join(base.out_dir, "summary.json"), summary)
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    lines = [f"preset {name}: best learning rate per width", "",
+             "| run | d | best lr | accuracy % | paper % | value | key | query |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {fmt(r['paper_acc'])} | "
+              f"{fmt(r['attribution']['value'])} | {fmt(r['attribution']['key'])} | {fmt(r['attribution']['query'])} |"
+              for r in rows]
+    if spread:
+        lines += ["", "| group | d | mean % | std | seeds |", "|---|---|---|---|---|"]
+        lines += [f"| {s['group']} | {s['d_model']} | {s['mean']:.2f} | {s['std']:.2f} | {s['n']} |" for s in spread]
+    with open(os.path.join(base.out_dir, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return summary
+
+
 def bench_steps(cfg, n=30, log=print):
     """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes on cfg's
     task, and the ratio to attention's. A benchmark that prints, not a test: timings are noisy."""
@@ -1319,6 +1369,9 @@ def parse_args(argv=None):
                    help=f"with --sweep: the widths (default: {','.join(map(str, PAPER_WIDTHS))})")
     p.add_argument("--lrs", type=_numbers(float), default=argparse.SUPPRESS, metavar="LR,LR,...",
                    help="with --sweep: the learning rates (default: the paper's grid for the task and arch)")
+    p.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
+                   help="run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, atr_8192, "
+                        "mamba_conv, based_conv, layers, atr_gen, seeds")
     p.add_argument("--jobs", type=int, default=argparse.SUPPRESS,
                    help="with --sweep: runs trained at once in separate processes (for a GPU)")
     p.add_argument("--bench", action="store_true", default=argparse.SUPPRESS,
@@ -1331,20 +1384,23 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     analyze = args.pop("analyze", False)
-    grid = {k: args.pop(k) for k in ("sweep", "widths", "lrs", "jobs") if k in args}
+    grid = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "jobs") if k in args}
     bench = args.pop("bench", False)
     try:
         if bench:
             torch.set_flush_denormal(True)
             bench_steps(Config(**args))
             return 0
-        if grid and not grid.get("sweep"):
-            raise ConfigError(f"--{next(iter(grid))} belongs to a sweep; add --sweep")
+        if grid and not (grid.get("sweep") or grid.get("preset")):
+            raise ConfigError(f"--{next(iter(grid))} belongs to a sweep; add --sweep or --preset NAME")
         if grid.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
         if grid:
-            base = Config(**args)
-            sweep(base, grid.get("widths", PAPER_WIDTHS), grid.get("lrs"), grid.get("jobs", 1))
+            base, widths = Config(**args), grid.get("widths", PAPER_WIDTHS)
+            if "preset" in grid:
+                run_preset(grid["preset"], base, widths, grid.get("lrs"), grid.get("jobs", 1))
+            else:
+                sweep(base, widths, grid.get("lrs"), grid.get("jobs", 1))
             return 0
         if "load" in args:
             run_dir = args.pop("load")

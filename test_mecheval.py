@@ -712,3 +712,35 @@ def test_bench_steps_times_every_architecture(capsys):
     times = m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4), n=1)
     assert set(times) == set(m.ARCHS) and all(t > 0 for t in times.values())
     assert "x attention" in capsys.readouterr().out
+
+
+def test_presets_expand_to_the_paper_grids():
+    p = m.presets()
+    assert [s["arch"] for _, s in p["ar"]] == list(m.ARCHS) and all(s["task"] == "ar" for _, s in p["ar"])
+    assert {s["atr_setting"] for k in ("atr_easy", "atr_medium", "atr_8192") for _, s in p[k]} == set(m.ATR_SETTINGS)
+    assert [s["d_conv"] for _, s in p["mamba_conv"]] == ["0", "1", "2", "3", "4"]
+    assert [s["d_conv"] for _, s in p["based_conv"]] == ["1", "2", "3", "4", "long"]
+    assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
+    assert {s["atr_split"] for _, s in p["atr_gen"]} == {"dev", "test"}
+    assert len({s["seed"] for _, s in p["seeds"]}) >= 3
+    for runs in p.values():  # every entry is a valid config
+        for _, settings in runs:
+            m.Config(**settings)
+
+
+def test_preset_runs_sweeps_and_reports_seed_spread(tmp_path, capsys):
+    real_presets = m.presets
+    m.presets = lambda: {"seeds": [(f"attention_s{s}", dict(task="ar", arch="attention", seed=s)) for s in (0, 1, 2)]}
+    try:
+        base = m.Config(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=40, steps=10, eval_every=10,
+                        target_acc=0, out_dir=str(tmp_path))
+        summary = m.run_preset("seeds", base, widths=(8,), lrs=(1e-3,), log=lambda s: None)
+    finally:
+        m.presets = real_presets
+    assert [r["label"] for r in summary["rows"]] == ["attention_s0", "attention_s1", "attention_s2"]
+    (spread,) = summary["spread"]
+    accs = torch.tensor([r["acc"] for r in summary["rows"]])
+    assert spread["group"] == "attention" and spread["n"] == 3
+    assert spread["mean"] == pytest.approx(accs.mean().item()) and spread["std"] == pytest.approx(accs.std().item())
+    assert (tmp_path / "attention_s1" / "summary.md").exists() and "| attention | 8 |" in (tmp_path / "summary.md").read_text()
+    assert m.main(["--preset", "nope"]) == 2 and "allowed: ar, atr_easy" in capsys.readouterr().err

@@ -160,6 +160,9 @@ class Config:
         if self.task == "ar" and 2 * self.n_pairs + 5 > MAX_LEN:
             raise ConfigError(f"n_pairs={self.n_pairs} makes documents of {2 * self.n_pairs + 5} tokens; "
                               f"the longest allowed is {MAX_LEN} (n_pairs <= {(MAX_LEN - 5) // 2})")
+        if self.task == "ar" and min(self.n_keys, self.n_values) < 2:
+            raise ConfigError(f"n_keys={self.n_keys} and n_values={self.n_values} must both be at least 2 "
+                              f"(the analysis replaces a key or value by another one)")
         if self.arch == "h3" and self.d_model % 2:
             raise ConfigError(f"h3 splits d_model into heads of 2 channels; d_model={self.d_model} must be even")
         if self.task == "ar" and self.atr_split != "iid":

@@ -164,7 +164,7 @@ def selective_scan(x, delta, A, B, C, D):
     s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])                  # (B, D, N)
     ys = []
     for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), (delta * x).unbind(1), B.unbind(1), C.unbind(1)):
-        s = torch.exp(d_t[..., None] * A) * s + dx_t[..., None] * B_t[:, None, :]
+        s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B
         ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, D)
     return torch.stack(ys, dim=1) + x * D
 

@@ -100,9 +100,10 @@ def long_conv(u, h):
     use the FFT of size 2L, where zero-padding to 2L makes the circular convolution causal."""
     L = u.shape[1]
     if L <= 64:
-        i = torch.arange(L, device=u.device)
-        lag = i[:, None] - i[None, :]                                   # (t, s)
-        T = h[:, :L][:, lag.clamp(min=0)] * (lag >= 0)                  # (C, L, L), zero above the diagonal
+        # T[c, t, s] = h[c, t-s] as a strided view of the left-zero-padded filter: window t of
+        # [0]*(L-1) + h holds h[t-L+1 .. t], flipped it is h[t-s] for s = 0..L-1 (zero for s > t).
+        # A view backpropagates in one pass, unlike an index gather.
+        T = F.pad(h[:, :L], (L - 1, 0)).unfold(1, L, 1).flip(-1)      # (C, L, L)
         return torch.einsum("cts,bsc->btc", T, u)
     n = 2 * L
     U = torch.fft.rfft(u, n=n, dim=1)                    # (B, L+1, C)

@@ -1235,8 +1235,7 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
                      "verdict": mech.get("verdict"), "run": cfg.run_name,
                      "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
     summary = {"task": base.task, "arch": base.arch, "atr_setting": base.atr_setting, "rows": rows}
-    write_json(os.path.join(base.out_dir, "summary.json"), summary)
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    fmt = _num
     lines = [f"{base.arch} on {base.task}: best learning rate per width", "",
              "| d | best lr | accuracy % | paper % | value | key | query | verdict |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -1244,7 +1243,17 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
         lines.append(f"| {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {fmt(r['paper_acc'])} | "
                      f"{fmt(a['value'])} | {fmt(a['key'])} | {fmt(a['query'])} | "
                      f"{(r['verdict'] or '-').split(' (')[0].split(':')[0]} |")
-    with open(os.path.join(base.out_dir, "summary.md"), "w") as f:
+    return save_summary(base.out_dir, summary, lines, log)
+
+
+def _num(v):
+    return "-" if v is None else f"{v:.2f}"
+
+
+def save_summary(out_dir, summary, lines, log):
+    """summary.json and the markdown table summary.md in out_dir; the table is also logged."""
+    write_json(os.path.join(out_dir, "summary.json"), summary)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log("\n".join(lines))
     return summary
@@ -1284,8 +1293,7 @@ def run_preset(name, base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
                 spread.append({"group": group, "d_model": d, "mean": accs.mean().item(), "std": accs.std().item(),
                                "n": len(accs)})
     summary = {"preset": name, "rows": rows, "spread": spread}
-    write_json(os.path.join(base.out_dir, "summary.json"), summary)
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    fmt = _num
     lines = [f"preset {name}: best learning rate per width", "",
              "| run | d | best lr | accuracy % | paper % | value | key | query |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['label']} | {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {fmt(r['paper_acc'])} | "
@@ -1294,10 +1302,7 @@ def run_preset(name, base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
     if spread:
         lines += ["", "| group | d | mean % | std | seeds |", "|---|---|---|---|---|"]
         lines += [f"| {s['group']} | {s['d_model']} | {s['mean']:.2f} | {s['std']:.2f} | {s['n']} |" for s in spread]
-    with open(os.path.join(base.out_dir, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    log("\n".join(lines))
-    return summary
+    return save_summary(base.out_dir, summary, lines, log)
 
 
 def bench_steps(cfg, n=30, log=print):

@@ -1235,13 +1235,12 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
                      "verdict": mech.get("verdict"), "run": cfg.run_name,
                      "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
     summary = {"task": base.task, "arch": base.arch, "atr_setting": base.atr_setting, "rows": rows}
-    fmt = _num
     lines = [f"{base.arch} on {base.task}: best learning rate per width", "",
              "| d | best lr | accuracy % | paper % | value | key | query | verdict |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = r["attribution"]
-        lines.append(f"| {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {fmt(r['paper_acc'])} | "
-                     f"{fmt(a['value'])} | {fmt(a['key'])} | {fmt(a['query'])} | "
+        lines.append(f"| {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {_num(r['paper_acc'])} | "
+                     f"{_num(a['value'])} | {_num(a['key'])} | {_num(a['query'])} | "
                      f"{(r['verdict'] or '-').split(' (')[0].split(':')[0]} |")
     return save_summary(base.out_dir, summary, lines, log)
 
@@ -1293,11 +1292,10 @@ def run_preset(name, base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
                 spread.append({"group": group, "d_model": d, "mean": accs.mean().item(), "std": accs.std().item(),
                                "n": len(accs)})
     summary = {"preset": name, "rows": rows, "spread": spread}
-    fmt = _num
     lines = [f"preset {name}: best learning rate per width", "",
              "| run | d | best lr | accuracy % | paper % | value | key | query |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {fmt(r['paper_acc'])} | "
-              f"{fmt(r['attribution']['value'])} | {fmt(r['attribution']['key'])} | {fmt(r['attribution']['query'])} |"
+    lines += [f"| {r['label']} | {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {_num(r['paper_acc'])} | "
+              f"{_num(r['attribution']['value'])} | {_num(r['attribution']['key'])} | {_num(r['attribution']['query'])} |"
               for r in rows]
     if spread:
         lines += ["", "| group | d | mean % | std | seeds |", "|---|---|---|---|---|"]

@@ -237,7 +237,7 @@ def _inputs(op, B, L, d, gen):
 PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref, long_conv),
          "based_attention": (based_attention_ref, based_attention),
          "selective_scan": (selective_scan_ref, selective_scan), "delta_rule": (delta_rule_ref, delta_rule)}
-COMPILABLE = ("short_conv", "based_attention") if "--no-compile" not in sys.argv else ()
+COMPILABLE = ("short_conv", "based_attention")
 
 
 def _time_fwd_bwd(fn, args, device, reps):
@@ -256,7 +256,7 @@ def _time_fwd_bwd(fn, args, device, reps):
     return (time.perf_counter() - t0) / max(reps, 1) * 1000
 
 
-def benchmark(device="cpu", reps=5, shapes=((32, 37, 64), (32, 200, 64))):
+def benchmark(device="cpu", reps=5, shapes=((32, 37, 64), (32, 200, 64)), compile=True):
     print(f"kernels.py benchmark on {device}: forward + backward, ms per call (B, L, d); "
           f"ratio = reference / fast")
     print(f"{'op':<16}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}{'compiled':>10}{'ratio':>8}{'compile s':>11}")
@@ -268,7 +268,7 @@ def benchmark(device="cpu", reps=5, shapes=((32, 37, 64), (32, 200, 64))):
             set_compile(False)
             t_fast = _time_fwd_bwd(fast, args, device, reps)
             comp = ""
-            if op in COMPILABLE:
+            if compile and op in COMPILABLE:
                 set_compile(True)
                 t0 = time.perf_counter()
                 _time_fwd_bwd(fast, args, device, 0)   # the first call compiles
@@ -281,6 +281,7 @@ def benchmark(device="cpu", reps=5, shapes=((32, 37, 64), (32, 200, 64))):
 
 if __name__ == "__main__":
     torch.set_flush_denormal(True)
-    benchmark("cpu")
+    use_compile = "--no-compile" not in sys.argv  # python kernels.py --no-compile: eager only
+    benchmark("cpu", compile=use_compile)
     if torch.cuda.is_available():
-        benchmark("cuda", reps=20)
+        benchmark("cuda", reps=20, compile=use_compile)

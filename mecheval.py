@@ -213,9 +213,14 @@ def make_split(docs, pos):
     ids = torch.full((len(docs), int(lengths.max())), PAD, dtype=torch.long)
     for n, d in enumerate(docs):
         ids[n, :len(d)] = torch.tensor(d)
+    return labelled_split(ids, pos, lengths)
+
+
+def labelled_split(ids, pos, lengths):
+    """A Split whose only label is labels[n, query] = the answer token."""
     pos = {k: torch.as_tensor(np.asarray(v), dtype=torch.long) for k, v in pos.items()}
     labels = torch.full_like(ids, -100)
-    rows = torch.arange(len(docs))
+    rows = torch.arange(len(ids))
     labels[rows, pos["query"]] = ids[rows, pos["answer"]]
     return Split(ids, labels, pos, lengths)
 
@@ -258,13 +263,9 @@ def make_ar(cfg, n, rng):
     ids[:, 2 * P + 1] = EOS
     ids[:, 2 * P + 2], ids[:, 2 * P + 3] = keys[rows, i], vals[rows, i]
     ids[:, 2 * P + 4] = EOS
-    ids = torch.from_numpy(ids)
     pos = {"key": 1 + 2 * i, "value": 2 + 2 * i, "next_key": np.where(i < P - 1, 3 + 2 * i, -1),
            "divider": np.full(n, 2 * P + 1), "query": np.full(n, 2 * P + 2), "answer": np.full(n, 2 * P + 3)}
-    pos = {k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in pos.items()}
-    labels = torch.full_like(ids, -100)
-    labels[:, 2 * P + 2] = ids[:, 2 * P + 3]
-    return Split(ids, labels, pos, torch.full((n,), 2 * P + 5))
+    return labelled_split(torch.from_numpy(ids), pos, torch.full((n,), 2 * P + 5))
 
 
 class Grammar:

@@ -1207,22 +1207,47 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
     per width (highest final accuracy, then mean answer probability), and write summary.md and
     summary.json to base.out_dir: accuracy beside the paper's, and the last layer's block_input
     attribution at value / key / query of each best run. Returns the summary dict."""
-    lrs = lrs or paper_lrs(base.task, base.arch)
-    cfgs = [replace(base, d_model=d, lr=lr, run_name="") for d in widths for lr in lrs]
-    log(f"sweep: {base.arch} on {base.task}, widths {list(widths)} x learning rates {list(lrs)}: "
-        f"{len(cfgs)} runs in {base.out_dir}")
-    if jobs > 1:
-        import concurrent.futures
-        import multiprocessing
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            results = list(ex.map(_quiet_run, cfgs))
-    else:
+    cfgs = sweep_configs(base, widths, lrs)
+    log(f"sweep: {base.arch} on {base.task}, widths {list(widths)} x learning rates "
+        f"{sorted({c.lr for c in cfgs})}: {len(cfgs)} runs in {base.out_dir}")
+    return summarise_sweep(base, widths, cfgs, run_all(cfgs, jobs, log), log)
+
+
+def sweep_configs(base, widths, lrs=None):
+    """One config per width x learning rate; lrs defaults to the paper's grid, and a rate of 0 means the
+    architecture's measured default."""
+    return [replace(base, d_model=d, lr=lr, run_name="") for d in widths for lr in lrs or paper_lrs(base.task, base.arch)]
+
+
+def _worker_init(threads):
+    torch.set_num_threads(threads)
+
+
+def run_all(cfgs, jobs=1, log=print):
+    """run_or_load every config; with jobs > 1 in that many fresh processes at once (one per run), each
+    given an equal share of the CPU threads so that CPU jobs do not oversubscribe the cores."""
+    if jobs == 1:
         results = []
         for i, cfg in enumerate(cfgs):
             results.append(_quiet_run(cfg))
-            r = results[-1]
-            log(f"  [{i + 1}/{len(cfgs)}] d={cfg.d_model} lr={cfg.lr:g}: {r['status']}, "
-                f"acc {r.get('final_acc', 0.0):.4f}")
+            log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {results[-1]['status']}, "
+                f"acc {results[-1].get('final_acc', 0.0):.4f}")
+        return results
+    import concurrent.futures
+    import multiprocessing
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_worker_init, initargs=(threads,),
+                                                max_tasks_per_child=1) as ex:
+        futures = [ex.submit(_quiet_run, cfg) for cfg in cfgs]
+        for i, (cfg, fut) in enumerate(zip(cfgs, futures)):
+            r = fut.result()
+            log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
+        return [f.result() for f in futures]
+
+
+def summarise_sweep(base, widths, cfgs, results, log=print):
+    """The best run per width of one sweep, written to base.out_dir/summary.md and summary.json."""
     rows = []
     for d in widths:
         runs = [(cfg, r) for cfg, r in zip(cfgs, results) if cfg.d_model == d]
@@ -1233,7 +1258,8 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
         rows.append({"d_model": d, "best_lr": cfg.lr, "acc": 100 * best.get("final_acc", 0.0),
                      "paper_acc": paper_acc(base.task, base.arch, base.atr_setting, d),
                      "attribution": {k: attr.get(k) for k in ("value", "key", "query")},
-                     "verdict": mech.get("verdict"), "run": cfg.run_name,
+                     "verdict": mech.get("verdict"), "run": cfg.run_name, "steps": best.get("steps_done"),
+                     "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
     summary = {"task": base.task, "arch": base.arch, "atr_setting": base.atr_setting, "rows": rows}
     lines = [f"{base.arch} on {base.task}: best learning rate per width", "",
@@ -1241,9 +1267,12 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
     for r in rows:
         a = r["attribution"]
         lines.append(f"| {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {_num(r['paper_acc'])} | "
-                     f"{_num(a['value'])} | {_num(a['key'])} | {_num(a['query'])} | "
-                     f"{(r['verdict'] or '-').split(' (')[0].split(':')[0]} |")
+                     f"{_num(a['value'])} | {_num(a['key'])} | {_num(a['query'])} | {_short(r['verdict'])} |")
     return save_summary(base.out_dir, summary, lines, log)
+
+
+def _short(verdict):
+    return (verdict or "-").split(" (")[0].split(":")[0]
 
 
 def _num(v):
@@ -1252,6 +1281,7 @@ def _num(v):
 
 def save_summary(out_dir, summary, lines, log):
     """summary.json and the markdown table summary.md in out_dir; the table is also logged."""
+    os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "summary.json"), summary)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -1271,20 +1301,42 @@ def presets():
         "layers": [(f"{a}_{n}l", dict(task="ar", arch=a, n_layers=n)) for a in archs for n in (1, 3)],
         "atr_gen": [(f"{a}_{split}", dict(task="atr", arch=a, atr_split=split)) for a in archs for split in ("dev", "test")],
         "seeds": [(f"{a}_s{seed}", dict(task="ar", arch=a, seed=seed)) for a in archs for seed in (0, 1, 2)],
+        # The paper's central contrasts on a 2-core CPU in a few hours: one width (64), each architecture's
+        # default learning rate, AR 20,000 steps instead of 50,016 and ATR easy 8,000 instead of 100,032
+        # (warm-up and cosine compressed to match), Mamba's d_conv 4/1/0 and Based's long-conv variant.
+        "reduced": [(f"ar_{a}", dict(task="ar", arch=a, steps=20_000)) for a in archs]
+                   + [(f"ar_mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w, steps=20_000)) for w in "10"]
+                   + [("ar_based_long", dict(task="ar", arch="based", d_conv="long", steps=20_000))]
+                   + [(f"atr_{a}", dict(task="atr", arch=a, steps=8_000)) for a in archs],
     }
 
 
-def run_preset(name, base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
-    """Every sweep of a preset into base.out_dir/<label>/, then one summary.md / summary.json over all of
-    them; entries that differ only in their seed are also given as mean ± standard deviation."""
+# Widths and learning rates of a preset when the command line gives none (0 = the architecture's default).
+PRESET_GRID = {"reduced": ((64,), (0.0,))}
+
+
+def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
+    """Every sweep of a preset into out_dir/<label>/ (all runs in one pool of jobs), then one summary.md /
+    summary.json over all of them; entries that differ only in their seed are also given as mean ± std.
+    args: the Config settings given by the user (a dict), under the preset's own; settings left out
+    resolve per entry (an ATR entry gets ATR's schedule, not AR's)."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
+    base = Config(**args)
+    widths = widths or PRESET_GRID.get(name, (PAPER_WIDTHS, None))[0]
+    lrs = lrs or PRESET_GRID.get(name, (None, None))[1]
+    entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(base.out_dir, label), "run_name": ""}))
+               for label, settings in table[name]]
+    grids = [sweep_configs(cfg, widths, lrs) for _, cfg in entries]
+    log(f"preset {name}: {len(entries)} sweeps, {sum(map(len, grids))} runs, widths {list(widths)}, in {base.out_dir}")
+    results = run_all([c for g in grids for c in g], jobs, log)
     rows = []
-    for label, settings in table[name]:
-        cfg = replace(base, **settings, out_dir=os.path.join(base.out_dir, label), run_name="")
-        for row in sweep(cfg, widths, lrs, jobs, log)["rows"]:
-            rows.append({"label": label, "group": label.rsplit("_s", 1)[0] if name == "seeds" else label, **row})
+    for (label, cfg), grid in zip(entries, grids):
+        res, results = results[:len(grid)], results[len(grid):]
+        for row in summarise_sweep(cfg, widths, grid, res, log=lambda s: None)["rows"]:
+            rows.append({"label": label, "group": label.rsplit("_s", 1)[0] if name == "seeds" else label,
+                         "verdict_short": _short(row["verdict"]), **row})
     spread = []
     for group in dict.fromkeys(r["group"] for r in rows):
         for d in widths:
@@ -1294,10 +1346,11 @@ def run_preset(name, base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
                                "n": len(accs)})
     summary = {"preset": name, "rows": rows, "spread": spread}
     lines = [f"preset {name}: best learning rate per width", "",
-             "| run | d | best lr | accuracy % | paper % | value | key | query |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['d_model']} | {r['best_lr']:g} | {r['acc']:.2f} | {_num(r['paper_acc'])} | "
-              f"{_num(r['attribution']['value'])} | {_num(r['attribution']['key'])} | {_num(r['attribution']['query'])} |"
-              for r in rows]
+             "| run | d | best lr | steps | accuracy % | paper % | value | key | query | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['d_model']} | {r['best_lr']:g} | {r['steps'] or 0:,} | {r['acc']:.2f} | "
+              f"{_num(r['paper_acc'])} | {_num(r['attribution']['value'])} | {_num(r['attribution']['key'])} | "
+              f"{_num(r['attribution']['query'])} | {r['verdict_short']} |" for r in rows]
     if spread:
         lines += ["", "| group | d | mean % | std | seeds |", "|---|---|---|---|---|"]
         lines += [f"| {s['group']} | {s['d_model']} | {s['mean']:.2f} | {s['std']:.2f} | {s['n']} |" for s in spread]
@@ -1378,7 +1431,7 @@ def parse_args(argv=None):
                    help="with --sweep: the learning rates (default: the paper's grid for the task and arch)")
     p.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
                    help="run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, atr_8192, "
-                        "mamba_conv, based_conv, layers, atr_gen, seeds")
+                        "mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)")
     p.add_argument("--jobs", type=int, default=argparse.SUPPRESS,
                    help="with --sweep: runs trained at once in separate processes (for a GPU)")
     p.add_argument("--bench", action="store_true", default=argparse.SUPPRESS,
@@ -1403,11 +1456,10 @@ def main(argv=None):
         if grid.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
         if grid:
-            base, widths = Config(**args), grid.get("widths", PAPER_WIDTHS)
             if "preset" in grid:
-                run_preset(grid["preset"], base, widths, grid.get("lrs"), grid.get("jobs", 1))
+                run_preset(grid["preset"], args, grid.get("widths"), grid.get("lrs"), grid.get("jobs", 1))
             else:
-                sweep(base, widths, grid.get("lrs"), grid.get("jobs", 1))
+                sweep(Config(**args), grid.get("widths", PAPER_WIDTHS), grid.get("lrs"), grid.get("jobs", 1))
             return 0
         if "load" in args:
             run_dir = args.pop("load")

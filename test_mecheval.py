@@ -680,7 +680,8 @@ def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
     finally:
         m.train = real_train
     assert trained == [summary["rows"][0]["run"]]
-    assert again["rows"] == summary["rows"]
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # retrained: new time
+    assert drop(again["rows"]) == drop(summary["rows"])
 
 
 def test_sweep_cli_and_paper_grids(tmp_path, capsys):
@@ -723,18 +724,37 @@ def test_presets_expand_to_the_paper_grids():
     assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
     assert {s["atr_split"] for _, s in p["atr_gen"]} == {"dev", "test"}
     assert len({s["seed"] for _, s in p["seeds"]}) >= 3
+    red = p["reduced"]
+    assert {s["arch"] for _, s in red if s["task"] == "ar"} == set(m.ARCHS) == {s["arch"] for _, s in red if s["task"] == "atr"}
+    assert {s.get("d_conv") for _, s in red if s["arch"] == "mamba"} == {None, "1", "0"}
+    assert ("ar_based_long", dict(task="ar", arch="based", d_conv="long", steps=20_000)) in red
     for runs in p.values():  # every entry is a valid config
         for _, settings in runs:
             m.Config(**settings)
+
+
+def test_preset_entries_resolve_their_own_schedule_and_default_lr(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(m, "_quiet_run", lambda cfg: seen.append(cfg) or {"status": "completed", "final_acc": 0.5})
+    monkeypatch.setattr(m, "presets", lambda: {"x": [("atr", dict(task="atr", arch="mamba")),
+                                                     ("ar", dict(task="ar", arch="based", steps=7))]})
+    m.PRESET_GRID["x"] = ((16,), (0.0,))
+    try:
+        summary = m.run_preset("x", dict(out_dir=str(tmp_path)), log=lambda s: None)
+    finally:
+        del m.PRESET_GRID["x"]
+    assert [(c.task, c.steps, c.lr, c.d_model) for c in seen] == [("atr", 100_032, m.DEFAULT_LR["mamba"], 16),
+                                                                  ("ar", 7, m.DEFAULT_LR["based"], 16)]
+    assert [r["acc"] for r in summary["rows"]] == [50.0, 50.0]
 
 
 def test_preset_runs_sweeps_and_reports_seed_spread(tmp_path, capsys):
     real_presets = m.presets
     m.presets = lambda: {"seeds": [(f"attention_s{s}", dict(task="ar", arch="attention", seed=s)) for s in (0, 1, 2)]}
     try:
-        base = m.Config(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=40, steps=10, eval_every=10,
-                        target_acc=0, out_dir=str(tmp_path))
-        summary = m.run_preset("seeds", base, widths=(8,), lrs=(1e-3,), log=lambda s: None)
+        base = dict(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=40, steps=10, eval_every=10,
+                    target_acc=0, out_dir=str(tmp_path))
+        summary = m.run_preset("seeds", base, widths=(8,), lrs=(1e-3,), jobs=2, log=lambda s: None)
     finally:
         m.presets = real_presets
     assert [r["label"] for r in summary["rows"]] == ["attention_s0", "attention_s1", "attention_s2"]

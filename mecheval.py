@@ -591,12 +591,21 @@ class H3(nn.Module):
         A = torch.complex(-self.inv_A_real.exp(), self.A_imag)          # (H, N/2)
         lam = (1 + dt * A / 2) / (1 - dt * A / 2)
         Ct = torch.view_as_complex(self.C) * torch.view_as_complex(self.B) * dt / (1 - dt * A / 2)
-        log_lam, t = lam.log(), torch.arange(L, device=lam.device)
-        mag, ang = torch.exp(log_lam.real[..., None] * t), log_lam.imag[..., None] * t      # (H, N/2, L)
-        # λ^t = |λ|^t (cos tθ + i sin tθ); the real part of C̃ λ^t summed over n as two batched mat-vecs
-        # (4x faster on a CPU than exponentiating the complex tensor)
-        re = torch.bmm(Ct.real[:, None], mag * torch.cos(ang)) - torch.bmm(Ct.imag[:, None], mag * torch.sin(ang))
-        return 2 * re[:, 0]
+        log_lam = lam.log()
+        # λ^t = λ^(s·i) λ^j with t = s·i + j, s = ⌈√L⌉ (baby step, giant step): two Vandermonde blocks of
+        # ~√L powers and one matmul replace the (H, N/2, L) block: 3x (L=37) to 7x (L=200) fewer terms
+        s = math.ceil(math.sqrt(L))
+        j, i = torch.arange(s, device=lam.device), s * torch.arange(-(-L // s), device=lam.device)
+
+        def powers(e):  # λ^e = |λ|^e (cos eθ + i sin eθ) in real arithmetic (4x faster than complex exp)
+            mag, ang = torch.exp(log_lam.real[..., None] * e), log_lam.imag[..., None] * e
+            return mag * torch.cos(ang), mag * torch.sin(ang)                   # (H, N/2, len(e)) each
+        Pr, Pi = powers(j)
+        Gr, Gi = powers(i)
+        cr, ci = Ct.real[..., None], Ct.imag[..., None]
+        X = torch.cat([cr * Pr - ci * Pi, cr * Pi + ci * Pr], dim=1)         # C̃ λ^j, (H, N, s) as [re; im]
+        G = torch.cat([Gr, -Gi], dim=1)                                       # λ^(s i), [re; -im]
+        return 2 * torch.bmm(G.transpose(1, 2), X).flatten(1)[:, :L]          # Re Σ_n C̃ λ^(s i + j)
 
     def forward(self, u):                                               # (B, L, d)
         Bsz, L, d = u.shape
@@ -1303,11 +1312,17 @@ def presets():
         "seeds": [(f"{a}_s{seed}", dict(task="ar", arch=a, seed=seed)) for a in archs for seed in (0, 1, 2)],
         # The paper's central contrasts on a 2-core CPU in a few hours: one width (64), each architecture's
         # default learning rate, AR 20,000 steps instead of 50,016 and ATR easy 8,000 instead of 100,032
-        # (warm-up and cosine compressed to match), Mamba's d_conv 4/1/0 and Based's long-conv variant.
-        "reduced": [(f"ar_{a}", dict(task="ar", arch=a, steps=20_000)) for a in archs]
+        # (warm-up and cosine compressed to match), Mamba's d_conv 4/1/0 and Based's long-conv variant,
+        # the cheap and the decisive runs first (a sweep resumes, so it can run in parts). Attention keeps
+        # the paper's AR schedule (it stops at 99 % near step 20,000): squeezed into 20,000 steps it
+        # memorised the training set (loss 1.3, 9 % on held-out documents) before induction formed.
+        "reduced": [(f"ar_{a}", dict(task="ar", arch=a, steps=0 if a == "attention" else 20_000))
+                    for a in ("attention", "based", "deltanet", "mamba")]
                    + [(f"ar_mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w, steps=20_000)) for w in "10"]
                    + [("ar_based_long", dict(task="ar", arch="based", d_conv="long", steps=20_000))]
-                   + [(f"atr_{a}", dict(task="atr", arch=a, steps=8_000)) for a in archs],
+                   + [(f"ar_{a}", dict(task="ar", arch=a, steps=20_000)) for a in ("hyena", "base_conv", "h3")]
+                   + [(f"atr_{a}", dict(task="atr", arch=a, steps=8_000))
+                      for a in ("attention", "based", "deltanet", "mamba", "hyena", "base_conv", "h3")],
     }
 
 

@@ -695,18 +695,27 @@ def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 1
 
 
-def test_h3_ssm_kernel_matches_the_complex_formula():
+@pytest.mark.parametrize("L", [1, 7, 40, 200])
+def test_h3_ssm_kernel_matches_the_complex_formula(L):
     h3 = m.H3(m.Config(arch="h3", d_model=8), 0).double()
     with torch.no_grad():
         h3.inv_A_real.uniform_(-2, 1)
         h3.log_dt.uniform_(-5, -1)
-    L = 40
-    dt = h3.log_dt.exp()[:, None]
-    A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)
-    lam = (1 + dt * A / 2) / (1 - dt * A / 2)
-    Ct = torch.view_as_complex(h3.C) * torch.view_as_complex(h3.B) * dt / (1 - dt * A / 2)
-    want = torch.stack([2 * (Ct * lam ** t).sum(1).real for t in range(L)], dim=1)  # K[h, t]
-    torch.testing.assert_close(h3.ssm_kernel(L), want, rtol=1e-9, atol=1e-9)
+    params = [h3.log_dt, h3.inv_A_real, h3.A_imag, h3.B, h3.C]
+
+    def direct():  # K[h, t] = 2 Re Σ_n C̃_n λ_n^t, λ^t by complex powers
+        dt = h3.log_dt.exp()[:, None]
+        A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)
+        lam = (1 + dt * A / 2) / (1 - dt * A / 2)
+        Ct = torch.view_as_complex(h3.C) * torch.view_as_complex(h3.B) * dt / (1 - dt * A / 2)
+        return torch.stack([2 * (Ct * lam ** t).sum(1).real for t in range(L)], dim=1)
+    want, got = direct(), h3.ssm_kernel(L)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    w = torch.randn_like(want)
+    g_want = torch.autograd.grad((want * w).sum(), params)
+    g_got = torch.autograd.grad((got * w).sum(), params)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
 
 
 def test_bench_steps_times_every_architecture(capsys):

@@ -1416,14 +1416,15 @@ def _bool(s):
     raise argparse.ArgumentTypeError(f"expected true or false, not '{s}'")
 
 
-def _numbers(kind):
+def _numbers(kind, zero_ok=False):
     def parse(s):
         try:
             values = tuple(kind(v) for v in s.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, not '{s}'") from None
-        if not values or min(values) <= 0:
-            raise argparse.ArgumentTypeError(f"expected positive numbers, not '{s}'")
+        if not values or min(values) < 0 or (min(values) == 0 and not zero_ok):
+            allowed = "non-negative numbers (0 = the architecture's default)" if zero_ok else "positive numbers"
+            raise argparse.ArgumentTypeError(f"expected {allowed}, not '{s}'")
         return values
     return parse
 
@@ -1441,14 +1442,15 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", default=argparse.SUPPRESS,
                    help="train every width x learning rate, keep the best per width, write out_dir/summary.md")
     p.add_argument("--widths", type=_numbers(int), default=argparse.SUPPRESS, metavar="D,D,...",
-                   help=f"with --sweep: the widths (default: {','.join(map(str, PAPER_WIDTHS))})")
-    p.add_argument("--lrs", type=_numbers(float), default=argparse.SUPPRESS, metavar="LR,LR,...",
-                   help="with --sweep: the learning rates (default: the paper's grid for the task and arch)")
+                   help=f"with --sweep or --preset: the widths (default: {','.join(map(str, PAPER_WIDTHS))}; reduced: 64)")
+    p.add_argument("--lrs", type=_numbers(float, zero_ok=True), default=argparse.SUPPRESS, metavar="LR,LR,...",
+                   help="with --sweep or --preset: the learning rates, 0 = the arch's default (default: the paper's grid; "
+                        "reduced: 0)")
     p.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
                    help="run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, atr_8192, "
                         "mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)")
     p.add_argument("--jobs", type=int, default=argparse.SUPPRESS,
-                   help="with --sweep: runs trained at once in separate processes (for a GPU)")
+                   help="with --sweep or --preset: runs trained at once, each in a fresh process (CPU cores shared out)")
     p.add_argument("--bench", action="store_true", default=argparse.SUPPRESS,
                    help="time a training step of every architecture at these settings, relative to attention")
     p.add_argument("--analyze", action="store_true", default=argparse.SUPPRESS,

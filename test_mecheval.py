@@ -693,6 +693,12 @@ def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert m.main(argv) == 0
     assert "best learning rate per width" in capsys.readouterr().out
     assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 1
+    argv = TINY + ["--arch", "based", "--sweep", "--widths", "8", "--lrs", "0", "--out_dir", str(tmp_path / "default")]
+    assert m.main(argv) == 0  # lr 0 = the architecture's measured default
+    assert json.loads((tmp_path / "default" / "summary.json").read_text())["rows"][0]["best_lr"] == m.DEFAULT_LR["based"]
+    with pytest.raises(SystemExit) as e:  # argparse errors exit 2 with one line
+        m.main(TINY + ["--sweep", "--lrs", "1e-3,-1"])
+    assert e.value.code == 2 and "non-negative" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("L", [1, 7, 40, 200])

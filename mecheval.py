@@ -1182,11 +1182,17 @@ def paper_lrs(task, arch):
     return (3e-5, 1e-4, 3e-4, 1e-3, 3e-3) + ((1e-2, 3e-2) if task == "ar" and arch != "attention" else ())
 
 
-def paper_acc(task, arch, atr_setting, d):
-    if task == "ar" and arch in PAPER_AR and d in PAPER_WIDTHS:
-        return PAPER_AR[arch][PAPER_WIDTHS.index(d)]
-    if task == "atr" and atr_setting == "easy" and arch in PAPER_ATR_EASY and d in (16, 64, 256):
-        return PAPER_ATR_EASY[arch][(16, 64, 256).index(d)]
+def paper_acc(cfg):
+    """The paper's accuracy (%) for cfg's task, architecture and width, or None where the paper's tables
+    have no such model (other widths, layers, kernels or data); the training length is not checked."""
+    if (cfg.n_layers, cfg.d_conv, cfg.batch_size, cfg.n_train) != (2, "auto", 32, 100_032) or cfg.pos_emb != "auto":
+        return None
+    if cfg.task == "ar" and cfg.arch in PAPER_AR and cfg.d_model in PAPER_WIDTHS \
+            and (cfg.n_pairs, cfg.n_keys, cfg.n_values) == (16, 4096, 4096):
+        return PAPER_AR[cfg.arch][PAPER_WIDTHS.index(cfg.d_model)]
+    if cfg.task == "atr" and (cfg.atr_setting, cfg.atr_split) == ("easy", "iid") and cfg.arch in PAPER_ATR_EASY \
+            and cfg.d_model in (16, 64, 256):
+        return PAPER_ATR_EASY[cfg.arch][(16, 64, 256).index(cfg.d_model)]
     return None
 
 
@@ -1265,7 +1271,7 @@ def summarise_sweep(base, widths, cfgs, results, log=print):
         attr = {g["position"]: g["attribution"] for g in mech.get("grid", [])
                 if g["site"] == "block_input" and g["layer"] == base.n_layers - 1}
         rows.append({"d_model": d, "best_lr": cfg.lr, "acc": 100 * best.get("final_acc", 0.0),
-                     "paper_acc": paper_acc(base.task, base.arch, base.atr_setting, d),
+                     "paper_acc": paper_acc(cfg),
                      "attribution": {k: attr.get(k) for k in ("value", "key", "query")},
                      "verdict": mech.get("verdict"), "run": cfg.run_name, "steps": best.get("steps_done"),
                      "train_seconds": best.get("train_seconds"),

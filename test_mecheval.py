@@ -687,7 +687,10 @@ def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
 def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert m.paper_lrs("ar", "attention") == (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
     assert m.paper_lrs("ar", "mamba")[-2:] == (1e-2, 3e-2) and len(m.paper_lrs("atr", "mamba")) == 5
-    assert m.paper_acc("ar", "based", "easy", 64) == 99.06 and m.paper_acc("atr", "mamba", "easy", 16) == 91.3
+    assert m.paper_acc(m.Config(arch="based")) == 99.06 and m.paper_acc(m.Config(task="atr", arch="mamba", d_model=16)) == 91.3
+    for other in (dict(arch="mamba", d_conv="1"), dict(n_layers=3), dict(d_model=48), dict(n_pairs=8),
+                  dict(task="atr", atr_split="test"), dict(task="atr", atr_setting="medium"), dict(arch="deltanet")):
+        assert m.paper_acc(m.Config(**other)) is None  # the paper has no number for these
     assert m.main(["--lrs", "1e-3"]) == 2 and "add --sweep" in capsys.readouterr().err
     argv = TINY + ["--sweep", "--widths", "8", "--lrs", "1e-3,3e-3", "--out_dir", str(tmp_path)]
     assert m.main(argv) == 0

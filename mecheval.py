@@ -1251,9 +1251,9 @@ def run_all(cfgs, jobs=1, log=print):
     import concurrent.futures
     import multiprocessing
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}  # Python 3.10 reuses workers
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_worker_init, initargs=(threads,),
-                                                max_tasks_per_child=1) as ex:
+                                                initializer=_worker_init, initargs=(threads,), **fresh) as ex:
         futures = [ex.submit(_quiet_run, cfg) for cfg in cfgs]
         for i, (cfg, fut) in enumerate(zip(cfgs, futures)):
             r = fut.result()

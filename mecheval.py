@@ -1254,10 +1254,10 @@ def run_all(cfgs, jobs=1, log=print):
     fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}  # Python 3.10 reuses workers
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=_worker_init, initargs=(threads,), **fresh) as ex:
-        futures = [ex.submit(_quiet_run, cfg) for cfg in cfgs]
-        for i, (cfg, fut) in enumerate(zip(cfgs, futures)):
+        futures = {ex.submit(_quiet_run, cfg): cfg for cfg in cfgs}
+        for i, fut in enumerate(concurrent.futures.as_completed(futures)):  # report in order of finishing
             r = fut.result()
-            log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
+            log(f"  [{i + 1}/{len(cfgs)}] {futures[fut].run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
         return [f.result() for f in futures]
 
 

@@ -1198,12 +1198,14 @@ def paper_acc(cfg):
 
 def run_or_load(cfg, log=print):
     """The results of cfg's run: read from its folder when a finished run with the same settings is
-    there (so an interrupted sweep resumes), otherwise trained now. A NaN loss is a finished result."""
+    there (so an interrupted sweep resumes; the folder's spelling and the device do not count),
+    otherwise trained now. A NaN loss is a finished result."""
     path = os.path.join(cfg.out_dir, cfg.run_name, "results.json")
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f)
-        if old.get("status") in FINISHED and old.get("config") == asdict(cfg):
+        same = lambda c: {k: v for k, v in c.items() if k not in ("out_dir", "device")}  # where, not what
+        if old.get("status") in FINISHED and same(old.get("config", {})) == same(asdict(cfg)):
             return old
     try:
         return train(cfg, log=log)

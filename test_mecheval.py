@@ -680,6 +680,13 @@ def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
     finally:
         m.train = real_train
     assert trained == [summary["rows"][0]["run"]]
+    trained.clear()  # the same folder spelled another way (relative vs absolute) is the same sweep
+    m.train = lambda cfg, log=print: trained.append(cfg.run_name) or real_train(cfg, log=log)
+    try:
+        m.sweep(m.replace(base, out_dir=os.path.relpath(str(tmp_path))), widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
+    finally:
+        m.train = real_train
+    assert trained == []
     drop = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # retrained: new time
     assert drop(again["rows"]) == drop(summary["rows"])
 

@@ -1308,7 +1308,7 @@ def save_summary(out_dir, summary, lines, log):
 
 def presets():
     """The paper's experiments as named lists of (label, settings); each entry is swept over the widths
-    and the paper's learning rates for its task and architecture."""
+    and learning rates given, else those of PRESET_GRID, else the paper's for its task and architecture."""
     archs = list(ARCHS)
     return {
         "ar": [(a, dict(task="ar", arch=a)) for a in archs],

@@ -3,8 +3,8 @@ kernels.py: the expensive sequence operations of mecheval's mixers, each as a pl
 definition you learn from) beside a fast form that gives the same outputs and gradients.
 
     op                  reference (definition)                 fast form
-    short_conv          shift-and-add over the k taps          F.conv1d, depthwise (compiled: shift-and-add)
-    long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 64), rfft / irfft (n = 2L)
+    short_conv          shift-and-add over the k taps          depthwise F.conv1d (compiled: shift-and-add)
+    long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 128), rfft / irfft (n = 2L)
     based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
     selective_scan      Mamba-1 loop indexing (B, L, D, N)     per-step loop on (B, D, N) slices
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 _COMPILE = {"on": False, "cache": {}}
 
@@ -75,11 +76,34 @@ def _short_conv_conv1d(x, w, b):
     return y.transpose(1, 2)
 
 
+class _ShortConv(torch.autograd.Function):
+    """Depthwise F.conv1d forward; the backward written out, because conv1d's own depthwise backward
+    is ~4x its forward on a CPU: ∂x is the same convolution run backwards in time, ∂w[:, i] is the sum of
+    ∂y times the input shifted by k-1-i, ∂b the sum of ∂y."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _short_conv_conv1d(x, w, b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        k, L = w.shape[1], x.shape[1]
+        gx = _short_conv_conv1d(gy.flip(1), w, None).flip(1)   # ∂x[t] = Σ_i w[:, i] ∂y[t + k-1-i]
+        xp = F.pad(x, (0, 0, k - 1, 0))
+        gw = torch.stack([(xp[:, i:i + L] * gy).sum((0, 1)) for i in range(k)], dim=1)
+        return gx, gw, gy.sum((0, 1)) if ctx.has_bias else None
+
+
 def short_conv(x, w, b=None):
-    """Fast short convolution: depthwise F.conv1d in eager, the shift-and-add when compiled."""
+    """Fast short convolution: depthwise F.conv1d with a written-out backward in eager, the
+    shift-and-add when compiled."""
     if _COMPILE["on"]:
         return _compiled(short_conv_ref)(x, w, b)
-    return _short_conv_conv1d(x, w, b)
+    return _ShortConv.apply(x, w, b)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -94,17 +118,43 @@ def long_conv_ref(u, h):
     return y
 
 
+class _ToeplitzConv(torch.autograd.Function):
+    """y[:, :, c] = T_c u[:, :, c] with the causal Toeplitz matrix T[c, t, s] = h[c, t-s], forward and
+    backward written out as one batched matmul each over contiguous (C, L, .) operands. (Autograd
+    through a strided view of h made bmm copy each channel's matrix separately: 2-3x slower.)"""
+
+    @staticmethod
+    def forward(ctx, u, h):
+        L = u.shape[1]
+        # window t of [0]*(L-1) + h holds h[t-L+1 .. t]; flipped, it is row t of T (zero for s > t)
+        T = F.pad(h[:, :L], (L - 1, 0)).unfold(1, L, 1).flip(-1).contiguous()   # (C, L, L)
+        U = u.permute(2, 1, 0).contiguous()                                       # (C, L, B)
+        ctx.save_for_backward(T, U)
+        ctx.h_len = h.shape[1]
+        return torch.bmm(T, U).permute(2, 1, 0).contiguous()                      # (B, L, C)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        T, U = ctx.saved_tensors
+        C, L, _ = T.shape
+        gY = gy.permute(2, 1, 0).contiguous()                                     # (C, L, B)
+        gu = torch.bmm(T.transpose(1, 2), gY).permute(2, 1, 0)
+        # ∂h[c, s] = Σ_t M[c, t, t-s], M = gY Uᵀ: the diagonals of M. In M padded with L zeros on the
+        # left, (t, t-s) sits at t·(2L+1) + (L-s), so stepping t by 2L+1 walks a diagonal.
+        M = F.pad(torch.bmm(gY, U.transpose(1, 2)), (L, 0))                      # (C, L, 2L)
+        diag = M.as_strided((C, L, L), (2 * L * L, 2 * L + 1, 1), M.storage_offset() + 1)  # [c, t, L-1-s]
+        gh = diag.sum(1).flip(-1)                                                 # (C, L)
+        return gu, F.pad(gh, (0, ctx.h_len - L))
+
+
 def long_conv(u, h):
-    """Fast long convolution. Short sequences (L <= 64, every AR document) multiply by the causal
-    Toeplitz matrix T[c, t, s] = h[c, t-s] (3-4x faster than the FFT at L=37 on a CPU); longer ones
-    use the FFT of size 2L, where zero-padding to 2L makes the circular convolution causal."""
+    """Fast long convolution. Up to L = 128 (every AR document, most ATR ones) it multiplies by the
+    causal Toeplitz matrix (_ToeplitzConv; 3-7x faster than the FFT at L = 37-64 on a CPU); longer
+    sequences use the FFT of size 2L, where zero-padding to 2L makes the circular convolution causal."""
     L = u.shape[1]
-    if L <= 64:
-        # T[c, t, s] = h[c, t-s] as a strided view of the left-zero-padded filter: window t of
-        # [0]*(L-1) + h holds h[t-L+1 .. t], flipped it is h[t-s] for s = 0..L-1 (zero for s > t).
-        # A view backpropagates in one pass, unlike an index gather.
-        T = F.pad(h[:, :L], (L - 1, 0)).unfold(1, L, 1).flip(-1)      # (C, L, L)
-        return torch.einsum("cts,bsc->btc", T, u)
+    if L <= 128:
+        return _ToeplitzConv.apply(u, h)
     n = 2 * L
     U = torch.fft.rfft(u, n=n, dim=1)                    # (B, L+1, C)
     H = torch.fft.rfft(h[:, :L], n=n, dim=1)             # (C, L+1)

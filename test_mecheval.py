@@ -746,6 +746,17 @@ def test_h3_ssm_kernel_matches_the_complex_formula(L):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("d_state, L", [(16, 7), (16, 40), (1024, 37)])
+def test_h3_shift_kernel_is_the_cross_correlation(d_state, L):
+    h3 = m.H3(m.Config(arch="h3", d_model=4), 0, d_state=d_state).double()
+    with torch.no_grad():
+        h3.shift_B.normal_()
+    Bs, Cs = h3.shift_B, h3.shift_C
+    want = torch.stack([(Bs[:, :d_state - j] * Cs[:, j:]).sum(-1) if j < d_state else Bs.new_zeros(4)
+                        for j in range(L)], dim=1)
+    torch.testing.assert_close(h3.shift_kernel(L), want, rtol=1e-9, atol=1e-9)
+
+
 def test_bench_steps_times_every_architecture(capsys):
     times = m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4), n=1)
     assert set(times) == set(m.ARCHS) and all(t > 0 for t in times.values())

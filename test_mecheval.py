@@ -754,7 +754,11 @@ def test_h3_shift_kernel_is_the_cross_correlation(d_state, L):
     Bs, Cs = h3.shift_B, h3.shift_C
     want = torch.stack([(Bs[:, :d_state - j] * Cs[:, j:]).sum(-1) if j < d_state else Bs.new_zeros(4)
                         for j in range(L)], dim=1)
-    torch.testing.assert_close(h3.shift_kernel(L), want, rtol=1e-9, atol=1e-9)
+    got = h3.shift_kernel(L)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    w = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), [Bs, Cs]), torch.autograd.grad((want * w).sum(), [Bs, Cs])):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 def test_bench_steps_times_every_architecture(capsys):

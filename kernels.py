@@ -9,7 +9,9 @@ definition you learn from) beside a fast form that gives the same outputs and gr
     selective_scan      Mamba-1 loop indexing (B, L, D, N)     per-step loop on (B, D, N) slices
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
 
-Layouts are time-major like the mixers: (B, L, C). All functions are differentiable PyTorch.
+Layouts are (B, L, C), as in the mixers. All functions are differentiable: plain autograd, except the
+short and the Toeplitz convolutions, whose backward is written out (an autograd.Function each, checked
+with gradcheck in the tests).
 `python kernels.py` benchmarks reference vs fast (eager and compiled) forward + backward.
 
 torch.compile: set_compile(True) compiles the loop-free fast forms (short_conv, based_attention) on

@@ -604,9 +604,10 @@ class H3(nn.Module):
         log_mag = 0.5 * (torch.log(n_plus) - torch.log(n_minus))        # log |λ|
         angle = torch.atan2(y, 1 + x) + torch.atan2(y, 1 - x)           # arg λ (any branch: integer powers)
         (Cr, Ci), (Br, Bi) = self.C.unbind(-1), self.B.unbind(-1)
-        pr, pi = Cr * Br - Ci * Bi, Cr * Bi + Ci * Br                   # C B
+        cb_re, cb_im = Cr * Br - Ci * Bi, Cr * Bi + Ci * Br             # C B
         w = dt / n_minus
-        cr, ci = (w * (pr * (1 - x) - pi * y))[..., None], (w * (pr * y + pi * (1 - x)))[..., None]  # C̃
+        cr, ci = ((w * (cb_re * (1 - x) - cb_im * y))[..., None],             # C̃, real and imaginary
+                  (w * (cb_re * y + cb_im * (1 - x)))[..., None])
         # λ^t = λ^(s·i) λ^j with t = s·i + j, s = ⌈√L⌉ (baby step, giant step): two Vandermonde blocks of
         # ~√L powers and one matmul replace the (H, N/2, L) block: 3x (L=37) to 7x (L=200) fewer terms
         s = math.ceil(math.sqrt(L))

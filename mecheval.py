@@ -870,17 +870,48 @@ def fmt_time(s):
     return f"{s / 3600:.1f}h" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
+
+
+def settings(config):
+    """What a run computes: its config dict without where it is written and which device ran it."""
+    return {k: v for k, v in config.items() if k not in ("out_dir", "device")}
+
+
+def open_run_folder(cfg, run_dir):
+    """Make run_dir and write cfg there as config.json. Returns the checkpoint to continue from when the
+    folder holds an unfinished run of the same settings, else None. A folder of other settings is refused,
+    so that nothing written there is lost."""
+    os.makedirs(run_dir, exist_ok=True)
+    cfg_path, ckpt_path, results_path = (os.path.join(run_dir, f) for f in ("config.json", "model.pt", "results.json"))
+    resume = None
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            old, new = settings(json.load(f)), settings(asdict(cfg))
+        k = next((k for k in {**old, **new} if old.get(k) != new.get(k)), None)
+        if k is not None:
+            raise ConfigError(f"{run_dir} holds a run with {k}={old.get(k)}, not {k}={new.get(k)}; give another "
+                              f"--run_name or --out_dir, or delete that folder")
+        status = json.load(open(results_path)).get("status") if os.path.isfile(results_path) else None
+        if status not in FINISHED and os.path.isfile(ckpt_path):
+            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+            resume = ckpt if "resume" in ckpt else None
+    write_json(cfg_path, asdict(cfg))
+    return resume
+
+
 def train(cfg, task=None, log=print):
     """Train the model of cfg on its task; write config.json, results.json and model.pt to
-    out_dir/run_name; return the results dict. Raises NonFiniteLoss (after saving) on a NaN loss."""
+    out_dir/run_name; return the results dict. An unfinished run of the same settings in that folder
+    continues from its last checkpoint, on the same trajectory. Raises NonFiniteLoss (after saving) on a
+    NaN loss."""
     cfg.validate()
     device = pick_device(cfg.device)
     kernels.set_compile(cfg.compile)
     if device == "cpu":
         torch.set_flush_denormal(True)  # denormal floats are 10-20x slower on x86
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    write_json(os.path.join(run_dir, "config.json"), asdict(cfg))
+    resume = open_run_folder(cfg, run_dir)
     log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     t0 = time.time()
     task = task or make_task(cfg)
@@ -898,11 +929,21 @@ def train(cfg, task=None, log=print):
     ids_all, query_all = train_set.input_ids.to(device), train_set.pos["query"].to(device)
     answer_all = train_set.answers.to(device)
     gen = torch.Generator().manual_seed(cfg.seed)  # batch order
-    order, cursor = None, N
+    order, cursor, first = None, N, 1
     results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
                "history": []}
     results_path = os.path.join(run_dir, "results.json")
     loss_sum, n_sum, t_interval, train_time, ev = torch.zeros((), device=device), 0, time.time(), 0.0, None
+    if resume is not None:  # the checkpoint holds everything the loop carries from step to step
+        model.load_state_dict(resume["model"])
+        r = resume["resume"]
+        opt.load_state_dict(r["optimizer"])
+        sched.load_state_dict(r["scheduler"])
+        gen.set_state(r["batch_gen"])
+        order, cursor, results, train_time = r["order"], r["cursor"], r["results"], r["train_time"]
+        last_acc = results["history"][-1]["acc"]
+        first = cfg.steps + 1 if cfg.target_acc > 0 and last_acc >= cfg.target_acc else resume["step"] + 1
+        log(f"resuming {run_dir} from its checkpoint at step {resume['step']:,} of {cfg.steps:,}")
 
     def finish(status):
         results.update(status=status, train_seconds=round(train_time, 2),
@@ -910,7 +951,7 @@ def train(cfg, task=None, log=print):
         write_json(results_path, results)
 
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(first, cfg.steps + 1):
             if cursor + B > N:  # a new epoch: reshuffle, drop the last partial batch
                 order, cursor = torch.randperm(N, generator=gen), 0
             idx = order[cursor:cursor + B]
@@ -942,10 +983,14 @@ def train(cfg, task=None, log=print):
             ms = 1000 * dt / n_sum
             log(f"step {step:>6}/{cfg.steps} | loss {train_loss:.4f} | acc {ev['acc']:.4f} | "
                 f"p(answer) {ev['p_answer']:.3f} | {ms:.2f} ms/step | eta {fmt_time(ms * (cfg.steps - step) / 1000)}")
-            torch.save({"config": asdict(cfg), "vocab_size": task.vocab_size, "step": step,
-                        "model": model.state_dict()}, os.path.join(run_dir, "model.pt"))
             results.update(final_acc=ev["acc"], final_p_answer=ev["p_answer"],
                            best_acc=max(ev["acc"], results.get("best_acc", 0.0)))
+            torch.save({"config": asdict(cfg), "vocab_size": task.vocab_size, "step": step,
+                        "model": model.state_dict(),
+                        "resume": {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                   "batch_gen": gen.get_state(), "order": order, "cursor": cursor,
+                                   "results": results, "train_time": train_time}},
+                       os.path.join(run_dir, "model.pt"))
             write_json(results_path, results)
             loss_sum, n_sum = torch.zeros((), device=device), 0
             if cfg.target_acc > 0 and ev["acc"] >= cfg.target_acc:
@@ -954,6 +999,9 @@ def train(cfg, task=None, log=print):
     except KeyboardInterrupt:
         finish("interrupted")
         raise
+    ev = ev or evaluate(model, task.eval)  # a resumed run whose last checkpoint had already finished
+    torch.save({"config": asdict(cfg), "vocab_size": task.vocab_size, "step": results["steps_done"],
+                "model": model.state_dict()}, os.path.join(run_dir, "model.pt"))  # no resume state: 3x smaller
     results["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
     reached = cfg.target_acc > 0 and ev["acc"] >= cfg.target_acc
     finish("target reached" if reached else "completed")
@@ -1186,7 +1234,6 @@ PAPER_AR = {  # AR accuracy (%) by width, 2 layers, best learning rate per width
 PAPER_ATR_EASY = {  # ATR easy accuracy (%) at d = 16 / 64 / 256
     "attention": (68.4, 93.8, 96.3), "based": (82.2, 91.9, 92.2), "mamba": (91.3, 96.3, 96.3),
     "h3": (81.9, 90.0, 94.1), "hyena": (75.9, 85.3, 93.8), "base_conv": (67.5, 82.5, 90.0)}
-FINISHED = ("completed", "target reached", "nonfinite")
 
 
 def paper_lrs(task, arch):
@@ -1216,8 +1263,7 @@ def run_or_load(cfg, log=print):
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f)
-        same = lambda c: {k: v for k, v in c.items() if k not in ("out_dir", "device")}  # where, not what
-        if old.get("status") in FINISHED and same(old.get("config", {})) == same(asdict(cfg)):
+        if old.get("status") in FINISHED and settings(old.get("config", {})) == settings(asdict(cfg)):
             return old
     try:
         return train(cfg, log=log)

@@ -517,6 +517,35 @@ def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
     assert res["status"] == "nonfinite" and (tmp_path / "nan" / "config.json").exists()
 
 
+def test_interrupted_run_resumes_on_the_same_trajectory(tmp_path, capsys):
+    cfg = small_atr(arch="mamba", d_model=16, steps=60, eval_every=10, target_acc=0, mechanism=False,
+                    out_dir=str(tmp_path), run_name="whole")
+    whole = m.train(cfg, log=lambda s: None)
+
+    def stop_at_30(line):  # the progress line of step 30 comes before its checkpoint: resume from step 20
+        if line.startswith("step     30"):
+            raise KeyboardInterrupt
+    cut = m.replace(cfg, run_name="cut")
+    with pytest.raises(KeyboardInterrupt):
+        m.train(cut, log=stop_at_30)
+    assert json.loads((tmp_path / "cut" / "results.json").read_text())["status"] == "interrupted"
+    assert torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["resume"]["results"]["steps_done"] == 20
+    lines = []
+    resumed = m.train(m.replace(cfg, run_name="cut"), log=lines.append)
+    assert [l for l in lines if l.startswith("resuming")] == [f"resuming {tmp_path / 'cut'} from its checkpoint at step 20 of 60"]
+    assert resumed["history"] == whole["history"] and resumed["status"] == "completed"
+    a, b = (torch.load(tmp_path / r / "model.pt", weights_only=True) for r in ("whole", "cut"))
+    assert "resume" not in b and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit for bit on a CPU
+    # a run folder of other settings is refused, and what it holds stays as it was
+    before = (tmp_path / "cut" / "results.json").read_text()
+    argv = ["--task", "atr", "--arch", "mamba", "--out_dir", str(tmp_path), "--run_name", "cut", "--steps", "5"]
+    assert m.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds a run with d_model=16, not d_model=64" in err and err.count("\n") == 1
+    assert (tmp_path / "cut" / "results.json").read_text() == before
+
+
 def test_device_auto():
     expected = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     assert m.pick_device("auto") == expected

@@ -652,7 +652,8 @@ class Mamba(nn.Module):
         D, N, r = expand * d, d_state, math.ceil(d / 16)
         self.d_conv = conv_width(cfg, 4)
         self.in_proj = nn.Linear(d, 2 * D, bias=False)
-        self.conv1d = nn.Conv1d(D, D, self.d_conv or 4, groups=D, padding=(self.d_conv or 4) - 1)
+        # d_conv 0 keeps tinylang's unused width-4 parameters as a plain Conv1d, which is never called
+        self.conv1d = ShortConv(D, self.d_conv) if self.d_conv else nn.Conv1d(D, D, 4, groups=D, padding=3)
         self.x_proj = nn.Linear(D, r + 2 * N, bias=False)
         self.dt_proj = nn.Linear(r, D)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(D, 1))   # A = -[1..N]
@@ -672,7 +673,7 @@ class Mamba(nn.Module):
     def forward(self, h):                                               # (B, L, d)
         x, z = self.in_proj(h).chunk(2, dim=-1)                         # (B, L, D) each
         if self.d_conv:
-            x = kernels.short_conv(x, self.conv1d.weight[:, 0], self.conv1d.bias)
+            x = self.conv1d(x)
         x = F.silu(x)
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
@@ -691,17 +692,16 @@ class DeltaNet(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         d = cfg.d_model
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)  # fla's q_proj, k_proj, v_proj stacked
         self.b_proj, self.o_proj = nn.Linear(d, 1, bias=False), nn.Linear(d, d, bias=False)
         width = conv_width(cfg, 4)
-        self.convs = nn.ModuleList(ShortConv(d, width, bias=False) for _ in range(3)) if width else None
+        self.conv1d = ShortConv(3 * d, width, bias=False) if width else None  # fla's q/k/v_conv1d stacked
         self.o_norm = nn.RMSNorm(d, eps=1e-5)
 
     def forward(self, x):                                               # (B, L, d)
-        # q, k, v projected and convolved together over 3d channels: one call each instead of three
-        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-        if self.convs is not None:
-            qkv = kernels.short_conv(qkv, torch.cat([conv.weight[:, 0] for conv in self.convs]))
+        qkv = self.qkv_proj(x)                                          # (B, L, 3d)
+        if self.conv1d is not None:
+            qkv = self.conv1d(qkv)
         q, k, v = F.silu(qkv).chunk(3, dim=-1)
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(q.shape[-1])
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -1055,10 +1055,18 @@ def load_run(run_dir, expect=None):
 # position, and measure how much of the answer's probability returns at the query:
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
 # Sites are PyTorch forward hooks on model.blocks[l] (residual stream in / out), its mixer (normed input
-# / output before the residual add) and its MLP, so every architecture exposes the same sites.
+# / output before the residual add) and its MLP, so every architecture exposes the same sites. One more
+# site looks inside the mixer: conv_output, the output of its short causal convolution before any
+# activation (Mamba, DeltaNet's q/k/v, Hyena's short filter, the short BaseConv layers of Based and
+# BaseConv). Patched at the next key, it shows the convolution carrying the key forward (the paper's v3).
 
-SITES = ("block_input", "mixer_input", "mixer_output", "mlp_input", "mlp_output", "block_output")
+SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
 POSITIONS = ("key", "value", "next_key", "divider", "query")
+
+
+def short_conv_of(mixer):
+    """The short causal convolution a mixer calls (a ShortConv), or None."""
+    return next((mod for mod in mixer.modules() if isinstance(mod, ShortConv)), None)
 
 
 def site_module(model, site, layer):
@@ -1068,11 +1076,25 @@ def site_module(model, site, layer):
     if not 0 <= layer < len(model.blocks):
         raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(model.blocks) - 1}")
     block = model.blocks[layer]
+    if site == "conv_output":
+        module = short_conv_of(block.mixer)
+        if module is None:
+            raise ValueError(f"site 'conv_output' does not exist in layer {layer}: its {type(block.mixer).__name__} "
+                             f"mixer has no short convolution")
+        return module
     module = {"block": block, "mixer": block.mixer, "mlp": block.mlp}[site.rsplit("_", 1)[0]]
     if module is None:
         raise ValueError(f"site '{site}' does not exist in this model: its blocks have no MLP "
                          f"(Mamba); use block_* or mixer_* sites")
     return module
+
+
+def model_cells(model):
+    """Every (site, layer) the model has: Mamba blocks have no mlp_* sites, and conv_output exists only
+    where the mixer has a short convolution."""
+    return [(site, layer) for layer, block in enumerate(model.blocks) for site in SITES
+            if not (site.startswith("mlp") and block.mlp is None)
+            and not (site == "conv_output" and short_conv_of(block.mixer) is None)]
 
 
 @contextmanager
@@ -1144,8 +1166,7 @@ def mechanism(model, task, corrupt="key", seed=0):
     def p_answer(ids):  # (N,) probability of the correct answer at the query
         return answer_logits(model, ids, query).softmax(-1)[rows, answer]
 
-    cells = [(site, layer) for layer in range(len(model.blocks)) for site in SITES
-             if not (site.startswith("mlp") and model.blocks[layer].mlp is None)]
+    cells = model_cells(model)
     clean_acts = {}  # (site, layer, position) -> (N, d)
 
     def grab(cell):

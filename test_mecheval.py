@@ -296,14 +296,20 @@ def test_trained_attention_shows_induction(trained_small_ar):
 def tiny_model(arch, n_layers=2, seed=0):
     cfg = small_ar(arch=arch, d_model=16, n_layers=n_layers, seed=seed, n_eval=6)
     model = m.build_model(cfg, m.make_task(cfg, train=False).vocab_size)
+    model.arch = arch
     for p in model.parameters():  # larger weights than the init, so every site matters
         torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, -0.5, 0.5)
     return cfg, model.eval()
 
 
+# The short convolution of each mixer that has one, named here independently of mecheval's lookup.
+CONVS = {"mamba": "conv1d", "deltanet": "conv1d", "hyena": "short_filter", "based": "conv", "base_conv": "conv"}
+
+
 def golden_forward(model, ids, splice=None):
     """The model's forward written out by hand. splice = (site, layer, positions, values): overwrite
-    that activation at one position per row. Returns logits and every activation seen."""
+    that activation at one position per row. Returns logits and every activation seen. conv_output is
+    reached by wrapping the mixer's short convolution for this call (no hooks)."""
     acts, rows = {}, torch.arange(len(ids))
 
     def at(site, layer, x):
@@ -317,8 +323,13 @@ def golden_forward(model, ids, splice=None):
     if model.pos_emb is not None:
         x = x + model.pos_emb.weight[:ids.shape[1]]
     for layer, blk in enumerate(model.blocks):
+        conv = getattr(blk.mixer, CONVS.get(model.arch, ""), None)
+        if isinstance(conv, m.ShortConv):
+            conv.forward = lambda u, conv=conv, layer=layer: at("conv_output", layer, type(conv).forward(conv, u))
         x = at("block_input", layer, x)
         x = x + at("mixer_output", layer, blk.mixer(at("mixer_input", layer, blk.norm1(x))))
+        if isinstance(conv, m.ShortConv):
+            del conv.forward
         if blk.mlp is not None:
             x = x + at("mlp_output", layer, blk.mlp(at("mlp_input", layer, blk.norm2(x))))
         x = at("block_output", layer, x)
@@ -337,22 +348,41 @@ def test_interchange_matches_golden_forward(arch):
             want, _ = golden_forward(model, base, (site, layer, positions, act[torch.arange(4), positions]))
             got = m.interchange(model, base, source, site, layer, positions)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{arch} {site} layer {layer}")
-        per_layer = len(m.SITES) - (2 if model.blocks[0].mlp is None else 0)  # Mamba: no mlp_* sites
-        assert len(src_acts) == per_layer * cfg.n_layers
+        per_layer = len(m.SITES) - (2 if model.blocks[0].mlp is None else 0) - 1  # Mamba: no mlp_* sites
+        convs = {"mamba": 2, "deltanet": 2, "hyena": 2, "based": 1, "base_conv": 1}.get(arch, 0)  # layers with one
+        assert len(src_acts) == per_layer * cfg.n_layers + convs
+        assert sorted(src_acts) == sorted(m.model_cells(model))
 
 
-def test_interchange_identities():
-    cfg, model = tiny_model("attention")
+def test_conv_output_exists_only_where_a_mixer_calls_a_short_conv():
+    for arch, layers in (("attention", ()), ("h3", ()), ("based", (0,)), ("base_conv", (0,)), ("mamba", (0, 1))):
+        _, model = tiny_model(arch)
+        for layer in range(2):
+            if layer in layers:
+                assert isinstance(m.site_module(model, "conv_output", layer), m.ShortConv)
+            else:
+                with pytest.raises(ValueError, match=f"site 'conv_output' does not exist in layer {layer}: its"):
+                    m.site_module(model, "conv_output", layer)
+    cfg = small_ar(arch="mamba", d_conv="0", d_model=16)
+    model = m.build_model(cfg, 53)  # d_conv 0: the conv parameters exist but no convolution runs
+    with pytest.raises(ValueError, match="Mamba mixer has no short convolution"):
+        m.interchange(model, torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), "conv_output", 0,
+                      torch.tensor([2]))
+    assert no_hooks(model)
+
+
+@pytest.mark.parametrize("arch", ["attention", "based"])  # based: conv_output too
+def test_interchange_identities(arch):
+    cfg, model = tiny_model(arch)
     gen = torch.Generator().manual_seed(2)
     base, source = torch.randint(3, 53, (3, 11), generator=gen), torch.randint(3, 53, (3, 11), generator=gen)
     with torch.no_grad():
         clean, src_logits = model(base), model(source)
-        for site in m.SITES:
-            for layer in range(cfg.n_layers):
-                same = m.interchange(model, base, base, site, layer, torch.tensor([1, 4, 9]))
-                torch.testing.assert_close(same, clean, rtol=1e-6, atol=1e-7)
-                later = m.interchange(model, base, source, site, layer, torch.tensor([8, 9, 10]))
-                torch.testing.assert_close(later[:, :8], clean[:, :8], rtol=0, atol=0)
+        for site, layer in m.model_cells(model):
+            same = m.interchange(model, base, base, site, layer, torch.tensor([1, 4, 9]))
+            torch.testing.assert_close(same, clean, rtol=1e-6, atol=1e-7)
+            later = m.interchange(model, base, source, site, layer, torch.tensor([8, 9, 10]))
+            torch.testing.assert_close(later[:, :8], clean[:, :8], rtol=0, atol=0)
         for t in range(11):  # the last block's output at t decides the logits at t
             out = m.interchange(model, base, source, "block_output", cfg.n_layers - 1, torch.full((3,), t))
             torch.testing.assert_close(out[:, t], src_logits[:, t], rtol=1e-5, atol=1e-6)
@@ -386,7 +416,7 @@ def test_mechanism_batched_equals_one_document_at_a_time():
     cfg, model = tiny_model("attention")
     task = m.make_task(cfg, train=False)
     mech = m.mechanism(model, task, "key", seed=5)
-    assert mech["forwards"] == 2 + len(m.SITES) * 2 * len(m.POSITIONS) == len(mech["grid"]) + 2
+    assert mech["forwards"] == 2 + (len(m.SITES) - 1) * 2 * len(m.POSITIONS) == len(mech["grid"]) + 2  # no conv
     base = m.corrupt_tokens(task, task.eval, "key", torch.Generator().manual_seed(5))
     clean, ans, q = task.eval.input_ids, task.eval.answers, task.eval.pos["query"]
     for cell in mech["grid"][::7]:

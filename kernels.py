@@ -35,24 +35,17 @@ def set_compile(on):
 
 
 def _compiled(fn):
-    """fn compiled (fullgraph) when compilation is switched on; eager if compile fails, said once."""
-    if not _COMPILE["on"]:
-        return fn
+    """fn compiled (fullgraph) when compilation is switched on; eager from its first failure on, said once."""
     cache = _COMPILE["cache"]
-    if fn not in cache:
-        try:
-            cache[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
-        except Exception as e:  # noqa: BLE001 - torch.compile unavailable here (platform, version)
-            print(f"kernels: torch.compile is unavailable ({type(e).__name__}: {e}); running eager", file=sys.stderr)
-            cache[fn] = fn
-    compiled = cache[fn]
-    if compiled is fn:
+    if not _COMPILE["on"] or cache.get(fn) is fn:
         return fn
 
     def run(*args):
         try:
-            return compiled(*args)
-        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
+            if fn not in cache:
+                cache[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+            return cache[fn](*args)
+        except Exception as e:  # noqa: BLE001 - compile unavailable (platform, version) or failing: run eager
             print(f"kernels: torch.compile failed for {fn.__name__} ({type(e).__name__}: "
                   f"{str(e).splitlines()[0][:120]}); running it eager from now on", file=sys.stderr)
             cache[fn] = fn

@@ -1,4 +1,5 @@
 """Tests for mecheval: tasks, model, training loop and command line. Quick on 2 CPU cores."""
+import bisect
 import json
 import os
 import random
@@ -84,10 +85,13 @@ class Node:
 def replay_tree(grammar, r):
     """Rebuild the derivation of one sentence with the test's own tree code, drawing from r in the
     documented order (start symbol, then per expansion: the rule, the body left to right, the head)."""
+    def pick(cum):  # inverse-CDF draw of one index from cumulative weights
+        return min(bisect.bisect(cum, r.random() * cum[-1]), len(cum) - 1)
+
     def expand(x):
-        rule = grammar.rules[x][m.Grammar._pick(r, grammar.rule_cum[x])]
+        rule = grammar.rules[x][pick(grammar.rule_cum[x])]
         children = [("leaf", s) if s >= 0 else expand(-s - 1) for s in rule]
-        return Node(children, ("leaf", m.Grammar._pick(r, grammar.head_cum[x])))
+        return Node(children, ("leaf", pick(grammar.head_cum[x])))
     return expand(r.randrange(len(grammar.rules)))
 
 
@@ -156,9 +160,8 @@ def test_atr_tree_statistics_easy():
     assert 5 < (task.train.lengths - 5).float().mean() < 25
 
 
-@pytest.mark.parametrize("which", ["dev", "test"])
-def test_atr_generalisation_split(which):
-    task = m.make_task(small_atr(atr_split=which, n_train=400, n_eval=100))
+def test_atr_generalisation_split():
+    task = m.make_task(small_atr(atr_split="gen", n_train=400, n_eval=100))
     held = task.heldout
     assert 0.1 < held.float().mean() < 0.3
 
@@ -169,12 +172,33 @@ def test_atr_generalisation_split(which):
         return held[parent, child]
 
     assert not pairs(task.train).any(), "training queries never use a held-out pair"
-    if which == "dev":
-        assert not pairs(task.eval).any()
-    else:
-        assert pairs(task.eval).all(), "test queries use held-out pairs only"
-    dev = m.make_task(small_atr(atr_split="dev", n_train=400, n_eval=100))
-    assert torch.equal(dev.train.input_ids, task.train.input_ids), "dev and test share the training set"
+    assert not pairs(task.eval).any(), "dev queries use allowed pairs only"
+    assert pairs(task.test).all(), "test queries use held-out pairs only"
+    assert len(task.test) == len(task.eval) == 100
+    iid = m.make_task(small_atr(n_train=400, n_eval=100))
+    assert iid.test is None and not torch.equal(iid.train.input_ids[:50], task.train.input_ids[:50])
+
+
+def test_generalisation_split_trains_once_and_reports_dev_and_test(tmp_path, capsys):
+    base = small_atr(atr_split="gen", d_model=16, steps=40, eval_every=20, target_acc=0, out_dir=str(tmp_path))
+    summary = m.sweep(base, widths=(16,), lrs=(3e-3,), log=lambda s: None)
+    res = json.loads((tmp_path / summary["rows"][0]["run"] / "results.json").read_text())
+    _, model = m.load_run(str(tmp_path / summary["rows"][0]["run"]))
+    task = m.make_task(base, train=False)
+    assert res["test_acc"] == m.evaluate(model, task.test)["acc"] and res["final_acc"] == m.evaluate(model, task.eval)["acc"]
+    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)):
+        assert res[key]["grid"] == m.mechanism(model, task, "key", 0, split)["grid"]
+    assert res["mechanism"]["grid"] != res["mechanism_test"]["grid"]
+    row = summary["rows"][0]
+    assert row["test_acc"] == 100 * res["test_acc"] and row["paper_test_acc"] is None  # the paper has d=64 only
+    assert row["test_attribution"]["value"] == next(g["attribution"] for g in res["mechanism_test"]["grid"]
+                                                    if (g["site"], g["layer"], g["position"]) == ("block_input", 1, "value"))
+    assert "generalisation split: dev -> test" in (tmp_path / "summary.md").read_text()
+    paper = m.Config(task="atr", atr_split="gen")
+    assert m.paper_acc(paper, test=True) == 60.0 and m.paper_acc(paper) == 95.0
+    run = str(tmp_path / summary["rows"][0]["run"])
+    assert m.main(["--load", run]) == 0
+    assert f"test split (held-out pairs): acc {res['test_acc']:.4f}" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------- determinism
@@ -477,7 +501,7 @@ def test_verdict_reads_the_grid_like_the_paper():
     (["--d_model", "0"], ["d_model", "0"]),
     (["--n_pairs", "40", "--n_keys", "30"], ["n_pairs=40", "n_keys=30"]),
     (["--atr_setting", "hard", "--task", "atr"], ["atr_setting", "hard", "easy, medium, 8192"]),
-    (["--atr_split", "test"], ["atr_split", "task=ar"]),
+    (["--atr_split", "gen"], ["atr_split", "task=ar"]),
     (["--batch_size", "64", "--n_train", "10"], ["batch_size=64", "n_train=10"]),
     (["--lr", "-1"], ["lr", "-1"]),
 ])
@@ -559,13 +583,13 @@ def test_interrupted_run_resumes_on_the_same_trajectory(tmp_path, capsys):
     with pytest.raises(KeyboardInterrupt):
         m.train(cut, log=stop_at_30)
     assert json.loads((tmp_path / "cut" / "results.json").read_text())["status"] == "interrupted"
-    assert torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["resume"]["results"]["steps_done"] == 20
+    assert torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["results"]["steps_done"] == 20
     lines = []
     resumed = m.train(m.replace(cfg, run_name="cut"), log=lines.append)
     assert [l for l in lines if l.startswith("resuming")] == [f"resuming {tmp_path / 'cut'} from its checkpoint at step 20 of 60"]
     assert resumed["history"] == whole["history"] and resumed["status"] == "completed"
     a, b = (torch.load(tmp_path / r / "model.pt", weights_only=True) for r in ("whole", "cut"))
-    assert "resume" not in b and a["model"].keys() == b["model"].keys()
+    assert "optimizer" not in b and a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit for bit on a CPU
     # a run folder of other settings is refused, and what it holds stays as it was
     before = (tmp_path / "cut" / "results.json").read_text()
@@ -762,12 +786,29 @@ def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
     assert drop(again["rows"]) == drop(summary["rows"])
 
 
+def test_plot_draws_a_sweep_folder(tmp_path, capsys, monkeypatch):
+    argv = TINY + ["--sweep", "--widths", "8,16", "--lrs", "3e-3", "--out_dir", str(tmp_path)]
+    assert m.main(argv) == 0
+    assert m.main(["--plot", str(tmp_path / "nothing")]) == 2
+    assert "no summary.json" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert m.main(["--plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install matplotlib" in err and err.count("\n") == 1 and not (tmp_path / "mechanism.png").exists()
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib", reason="matplotlib is optional; the plot itself is checked where it is installed")
+    assert m.main(["--plot", str(tmp_path)]) == 0
+    for name in ("accuracy_by_width.png", "mechanism.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
 def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert m.paper_lrs("ar", "attention") == (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
     assert m.paper_lrs("ar", "mamba")[-2:] == (1e-2, 3e-2) and len(m.paper_lrs("atr", "mamba")) == 5
     assert m.paper_acc(m.Config(arch="based")) == 99.06 and m.paper_acc(m.Config(task="atr", arch="mamba", d_model=16)) == 91.3
     for other in (dict(arch="mamba", d_conv="1"), dict(n_layers=3), dict(d_model=48), dict(n_pairs=8),
-                  dict(task="atr", atr_split="test"), dict(task="atr", atr_setting="medium"), dict(arch="deltanet")):
+                  dict(task="atr", atr_split="gen", d_model=32), dict(task="atr", atr_setting="medium"), dict(arch="deltanet")):
         assert m.paper_acc(m.Config(**other)) is None  # the paper has no number for these
     assert m.main(["--lrs", "1e-3"]) == 2 and "add --sweep" in capsys.readouterr().err
     argv = TINY + ["--sweep", "--widths", "8", "--lrs", "1e-3,3e-3", "--out_dir", str(tmp_path)]
@@ -833,7 +874,7 @@ def test_presets_expand_to_the_paper_grids():
     assert [s["d_conv"] for _, s in p["mamba_conv"]] == ["0", "1", "2", "3", "4"]
     assert [s["d_conv"] for _, s in p["based_conv"]] == ["1", "2", "3", "4", "long"]
     assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
-    assert {s["atr_split"] for _, s in p["atr_gen"]} == {"dev", "test"}
+    assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in m.ARCHS]  # one training each
     assert len({s["seed"] for _, s in p["seeds"]}) >= 3
     red = p["reduced"]
     assert {s["arch"] for _, s in red if s["task"] == "ar"} == set(m.ARCHS) == {s["arch"] for _, s in red if s["task"] == "atr"}

@@ -115,8 +115,8 @@ def long_conv_ref(u, h):
 
 class _ToeplitzConv(torch.autograd.Function):
     """y[:, :, c] = T_c u[:, :, c] with the causal Toeplitz matrix T[c, t, s] = h[c, t-s], forward and
-    backward written out as one batched matmul each over contiguous (C, L, .) operands. (Autograd
-    through a strided view of h made bmm copy each channel's matrix separately: 2-3x slower.)"""
+    backward written out as one batched matmul each over contiguous (C, L, .) operands, so that bmm
+    never copies a channel's matrix on its own."""
 
     @staticmethod
     def forward(ctx, u, h):
@@ -144,10 +144,9 @@ class _ToeplitzConv(torch.autograd.Function):
 
 
 def long_conv(u, h):
-    """Fast long convolution. Up to L = 128 (every AR document, most ATR ones) it multiplies by the
-    causal Toeplitz matrix (_ToeplitzConv; on a 2-core CPU at B=32, 128 channels: 7x faster than the FFT
-    at L=37, 2.6x at L=64, 1.5x at L=128, slower at L=200); longer sequences use the FFT of size 2L,
-    where zero-padding to 2L makes the circular convolution causal."""
+    """Fast long convolution: up to L = 128 (every AR document, most ATR ones; the README has the
+    crossover) by the causal Toeplitz matrix, beyond by the FFT of size 2L, whose zero-padding makes
+    the circular convolution causal."""
     L = u.shape[1]
     if L <= 128:
         return _ToeplitzConv.apply(u, h)
@@ -206,8 +205,7 @@ def selective_scan(x, delta, A, B, C, D):
     """The same, one time step at a time on (B, D, N) slices: the decay, the input and the readout are
     formed inside the loop, so no (B, L, D, N) tensor is ever built, in forward or in backward. The
     loop walks unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero tensor per
-    step in backward). On a 2-core CPU this is 1.8x (L=37) to 2.6x (L=200) faster than materialising
-    the (B, L, D, N) decays and inputs first, with identical results."""
+    step in backward)."""
     s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])                  # (B, D, N)
     ys = []
     for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), (delta * x).unbind(1), B.unbind(1), C.unbind(1)):
@@ -265,19 +263,13 @@ def delta_rule(q, k, v, beta, chunk=64):
 # Benchmark: python kernels.py
 
 def _inputs(op, B, L, d, gen):
-    r = lambda *s: torch.randn(*s, generator=gen)
-    if op == "short_conv":
-        return [r(B, L, 2 * d), r(2 * d, 4), r(2 * d)]
-    if op == "long_conv":
-        return [r(B, L, d), r(d, L) * 0.1]
-    if op == "based_attention":
-        return [r(B, L, 8), r(B, L, 8), r(B, L, d)]
-    if op == "selective_scan":
-        D = 2 * d
-        return [r(B, L, D), torch.nn.functional.softplus(r(B, L, D)), -torch.rand(D, 16, generator=gen) * 4,
-                r(B, L, 16), r(B, L, 16), r(D)]
-    qk = F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1)
-    return [*qk, r(B, L, d), torch.rand(B, L, generator=gen)]
+    r, D = (lambda *s: torch.randn(*s, generator=gen)), 2 * d
+    return {"short_conv": lambda: [r(B, L, D), r(D, 4), r(D)], "long_conv": lambda: [r(B, L, d), r(d, L) * 0.1],
+            "based_attention": lambda: [r(B, L, 8), r(B, L, 8), r(B, L, d)],
+            "selective_scan": lambda: [r(B, L, D), F.softplus(r(B, L, D)), -torch.rand(D, 16, generator=gen) * 4,
+                                       r(B, L, 16), r(B, L, 16), r(D)],
+            "delta_rule": lambda: [F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1), r(B, L, d),
+                                   torch.rand(B, L, generator=gen)]}[op]()
 
 
 PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref, long_conv),

@@ -22,7 +22,7 @@ Glossary of shape letters:
     N = state size, H = heads (H3).
 
 Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> interchange
-interventions -> experiments (sweeps, benchmark) -> command line.
+interventions; then the machinery: validation, run folders, sweeps and presets, plots, benchmark, CLI.
 """
 import argparse
 import json
@@ -164,16 +164,15 @@ class Task:
 
 
 def make_split(docs, pos):
-    """Pad a list of token lists into a Split. pos: name -> list of positions (one per document)."""
-    lengths = torch.tensor([len(d) for d in docs])
-    ids = torch.full((len(docs), int(lengths.max())), PAD, dtype=torch.long)
-    for n, d in enumerate(docs):
-        ids[n, :len(d)] = torch.tensor(d)
-    return labelled_split(ids, pos, lengths)
-
-
-def labelled_split(ids, pos, lengths):
-    """A Split whose only label is labels[n, query] = the answer token."""
+    """A Split of documents (an (N, T) array, or token lists padded here) and their named positions
+    (name -> one position per document); its only label is labels[n, query] = the answer token."""
+    if isinstance(docs, np.ndarray):  # documents of one length
+        ids, lengths = torch.from_numpy(docs), torch.full((len(docs),), docs.shape[1])
+    else:
+        lengths = torch.tensor([len(d) for d in docs])
+        ids = torch.full((len(docs), int(lengths.max())), PAD, dtype=torch.long)
+        for n, d in enumerate(docs):
+            ids[n, :len(d)] = torch.tensor(d)
     pos = {k: torch.as_tensor(np.asarray(v), dtype=torch.long) for k, v in pos.items()}
     labels = torch.full_like(ids, -100)
     rows = torch.arange(len(ids))
@@ -221,7 +220,7 @@ def make_ar(cfg, n, rng):
     ids[:, 2 * P + 4] = EOS
     pos = {"key": 1 + 2 * i, "value": 2 + 2 * i, "next_key": np.where(i < P - 1, 3 + 2 * i, -1),
            "divider": np.full(n, 2 * P + 1), "query": np.full(n, 2 * P + 2), "answer": np.full(n, 2 * P + 3)}
-    return labelled_split(torch.from_numpy(ids), pos, torch.full((n,), 2 * P + 5))
+    return make_split(ids, pos)
 
 
 class Grammar:
@@ -540,8 +539,7 @@ class H3(nn.Module):
 
     def shift_kernel(self, L):                                          # -> (d, L)
         """K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j] for lags j < L (zero from j = N): a cross-correlation.
-        An FFT of size >= N + L has no wrap-around; a multiple of 256 keeps its prime factors small
-        (1280, not 2048, at N=1024, L=37: 1.8x faster)."""
+        An FFT of size >= N + L has no wrap-around; a multiple of 256 keeps its prime factors small."""
         N = self.shift_B.shape[1]
         n = 256 * -(-(N + L) // 256)
         Fb, Fc = torch.fft.rfft(self.shift_B, n=n), torch.fft.rfft(self.shift_C, n=n)
@@ -604,7 +602,6 @@ class Mamba(nn.Module):
         D, N, r = expand * d, d_state, math.ceil(d / 16)
         self.d_conv = conv_width(cfg, 4)
         self.in_proj = nn.Linear(d, 2 * D, bias=False)
-        # d_conv 0 keeps tinylang's unused width-4 parameters as a plain Conv1d, which is never called
         self.conv1d = ShortConv(D, self.d_conv) if self.d_conv else nn.Conv1d(D, D, 4, groups=D, padding=3)
         self.x_proj = nn.Linear(D, r + 2 * N, bias=False)
         self.dt_proj = nn.Linear(r, D)
@@ -684,10 +681,8 @@ class Block(nn.Module):
         norm = getattr(mixer_cls, "norm", nn.LayerNorm)
         self.norm1 = norm(cfg.d_model)
         self.mixer = mixer_cls(cfg, layer_idx)
-        if getattr(mixer_cls, "has_mlp", True):
-            self.norm2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg.d_model)
-        else:
-            self.mlp = None
+        has_mlp = getattr(mixer_cls, "has_mlp", True)
+        self.norm2, self.mlp = (nn.LayerNorm(cfg.d_model), MLP(cfg.d_model)) if has_mlp else (None, None)
 
     def forward(self, r):                # (B, T, d) -> (B, T, d)
         r = r + self.mixer(self.norm1(r))
@@ -757,12 +752,12 @@ class NonFiniteLoss(RuntimeError):
 
 
 def pick_device(name):
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device '{name}' was asked for but CUDA is not available here; use auto or cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device 'mps' was asked for but MPS is not available here; use auto or cpu")
+        return next(kind for kind, ok in available.items() if ok)
+    if not available[name.split(":")[0]]:
+        raise ConfigError(f"device '{name}' was asked for but {name.split(':')[0].upper()} is not available here; "
+                          f"use auto or cpu")
     return name
 
 
@@ -974,16 +969,12 @@ def site_module(model, site, layer):
     if not 0 <= layer < len(model.blocks):
         raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(model.blocks) - 1}")
     block = model.blocks[layer]
-    if site == "conv_output":
-        module = short_conv_of(block.mixer)
-        if module is None:
-            raise ValueError(f"site 'conv_output' does not exist in layer {layer}: its {type(block.mixer).__name__} "
-                             f"mixer has no short convolution")
-        return module
-    module = {"block": block, "mixer": block.mixer, "mlp": block.mlp}[site.rsplit("_", 1)[0]]
+    part = site.rsplit("_", 1)[0]
+    module = {"block": block, "mixer": block.mixer, "mlp": block.mlp, "conv": short_conv_of(block.mixer)}[part]
     if module is None:
-        raise ValueError(f"site '{site}' does not exist in this model: its blocks have no MLP "
-                         f"(Mamba); use block_* or mixer_* sites")
+        raise ValueError(f"site '{site}' does not exist in layer {layer}: " + (
+            "its blocks have no MLP (Mamba); use block_* or mixer_* sites" if part == "mlp"
+            else f"its {type(block.mixer).__name__} mixer has no short convolution"))
     return module
 
 
@@ -1083,15 +1074,11 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
                 p_r = p_answer(base)
             valid = (pos[k] >= 0).float()
             stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1) for p in (p_o, p_c, p_r)]))
-    stats = torch.stack(stats).tolist()  # one transfer for the whole grid
     model.train(was_training)
-    grid, i = [], 0
-    for site, layer in cells:
-        for k in POSITIONS:
-            o, c, r = stats[i]
-            i += 1
-            grid.append({"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c,
-                         "p_patched": r, "attribution": (r - c) / (o - c) if o - c > 0.01 else None})
+    grid = [{"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c, "p_patched": r,
+             "attribution": (r - c) / (o - c) if o - c > 0.01 else None}
+            for (site, layer, k), (o, c, r) in zip([cell + (k,) for cell in cells for k in POSITIONS],
+                                                   torch.stack(stats).tolist())]  # one transfer for the grid
     result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_o.mean().item(),
               "p_corrupt": p_c.mean().item(), "n_layers": len(model.blocks), "grid": grid,
               "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
@@ -1135,11 +1122,9 @@ def format_mechanism(mech):
     for g in mech["grid"]:
         cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
     for (layer, site), row in cells.items():
-        text = ""
-        for k in POSITIONS:
-            v = row[k]
-            text += "       n/a" if v is None else f"{shade[min(4, max(0, int(v * 5)))]:>4}{v:6.2f}"
-        lines.append(f"{site:<14}{layer:>5}  {text}")
+        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
+                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
+                                                         for k in POSITIONS))
     return "\n".join(lines + [f"verdict: {mech['verdict']}"])
 
 
@@ -1182,7 +1167,7 @@ def config_errors(c):
 FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
 
 
-def settings(config):
+def run_settings(config):
     """What a run computes: its config dict without where it is written and which device ran it."""
     return {k: v for k, v in config.items() if k not in ("out_dir", "device")}
 
@@ -1196,7 +1181,7 @@ def open_run_folder(cfg, run_dir):
     resume = None
     if os.path.isfile(cfg_path):
         with open(cfg_path) as f:
-            old, new = settings(json.load(f)), settings(asdict(cfg))
+            old, new = run_settings(json.load(f)), run_settings(asdict(cfg))
         k = next((k for k in {**old, **new} if old.get(k) != new.get(k)), None)
         if k is not None:
             raise ConfigError(f"{run_dir} holds a run with {k}={old.get(k)}, not {k}={new.get(k)}; give another "
@@ -1288,7 +1273,7 @@ def run_or_load(cfg, log=print):
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f)
-        if old.get("status") in FINISHED and settings(old.get("config", {})) == settings(asdict(cfg)):
+        if old.get("status") in FINISHED and run_settings(old.get("config", {})) == run_settings(asdict(cfg)):
             return old
     try:
         return train(cfg, log=log)
@@ -1326,13 +1311,11 @@ def _worker_init(threads):
 def run_all(cfgs, jobs=1, log=print):
     """run_or_load every config; with jobs > 1 in that many fresh processes at once (one per run), each
     given an equal share of the CPU threads so that CPU jobs do not oversubscribe the cores."""
+    def done(i, cfg, r):
+        log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
+        return r
     if jobs == 1:
-        results = []
-        for i, cfg in enumerate(cfgs):
-            results.append(_quiet_run(cfg))
-            log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {results[-1]['status']}, "
-                f"acc {results[-1].get('final_acc', 0.0):.4f}")
-        return results
+        return [done(i, cfg, _quiet_run(cfg)) for i, cfg in enumerate(cfgs)]
     import concurrent.futures
     import multiprocessing
     threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -1341,8 +1324,7 @@ def run_all(cfgs, jobs=1, log=print):
                                                 initializer=_worker_init, initargs=(threads,), **fresh) as ex:
         futures = {ex.submit(_quiet_run, cfg): cfg for cfg in cfgs}
         for i, fut in enumerate(concurrent.futures.as_completed(futures)):  # report in order of finishing
-            r = fut.result()
-            log(f"  [{i + 1}/{len(cfgs)}] {futures[fut].run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
+            done(i, futures[fut], fut.result())
         return [f.result() for f in futures]
 
 
@@ -1487,9 +1469,9 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
 
 def plot(folder, log=print):
     """PNGs of a sweep or preset folder's summary.json, like the paper's figures: accuracy against width
-    per architecture (the paper's dashed beside ours where it has the model), and the last layer's
-    block_input attribution at value / key / query of each entry's most accurate run (on dev and test for
-    the generalisation split). Needs matplotlib, which the rest of mecheval does not."""
+    per entry (the paper's numbers dashed beside ours where it has them), and the last layer's block_input
+    attribution at value / key / query of each entry's most accurate run (on dev and test for the
+    generalisation split). Needs matplotlib, which the rest of mecheval does not."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1502,24 +1484,23 @@ def plot(folder, log=print):
     with open(path) as f:
         rows = json.load(f)["rows"]
     groups = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["d_model"]):
         groups.setdefault(r.get("label", r["arch"]), []).append(r)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (label, rs) in enumerate(groups.items()):
-        rs, color = sorted(rs, key=lambda r: r["d_model"]), f"C{i % 10}"
-        ax.plot([r["d_model"] for r in rs], [r["acc"] for r in rs], "o-", color=color, label=label)
-        table = {"ar": (PAPER_WIDTHS, PAPER_AR), "atr": ((16, 64, 256), PAPER_ATR_EASY)}[rs[0]["task"]]
-        if any(r["paper_acc"] is not None for r in rs) and rs[0]["arch"] in table[1]:
-            ax.plot(table[0], table[1][rs[0]["arch"]], "--", color=color, alpha=0.6)
-    ax.set(xscale="log", ylim=(-2, 102), xlabel="width d", ylabel="accuracy %", title="accuracy by width (dashed: the paper)")
-    ticks = sorted({r["d_model"] for r in rows} | set(PAPER_WIDTHS))
-    ax.set_xticks(ticks, [str(d) for d in ticks])
+    for label, rs in groups.items():
+        (line,) = ax.plot([r["d_model"] for r in rs], [r["acc"] for r in rs], "o-", label=label)
+        paper = [(r["d_model"], r["paper_acc"]) for r in rs if r["paper_acc"] is not None]
+        if paper:
+            ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6)
+    ticks = sorted({r["d_model"] for r in rows})
+    ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
+           title="accuracy by width (x, dashed: the paper)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "accuracy_by_width.png"), dpi=120)
     best = {label: max(rs, key=lambda r: (r["acc"], r["d_model"])) for label, rs in groups.items()}
-    splits = [("attribution", "dev" if any("test_acc" in r for r in rows) else "eval")]
-    splits += [("test_attribution", "test")] if any("test_acc" in r for r in rows) else []
+    gen = any("test_acc" in r for r in rows)
+    splits = [("attribution", "dev" if gen else "eval")] + [("test_attribution", "test")] * gen
     fig, axes = plt.subplots(1, len(splits), figsize=(max(4, 1.5 + len(best)) * len(splits), 3.5), squeeze=False)
     for ax, (key, name) in zip(axes[0], splits):
         for j, position in enumerate(("value", "key", "query")):
@@ -1586,11 +1567,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _bool(s):
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, not '{s}'")
+    if s.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, not '{s}'")
+    return s.lower() in ("1", "true", "yes", "on")
 
 
 def _numbers(kind, zero_ok=False):
@@ -1680,14 +1659,11 @@ def main(argv=None):
             if analyze:
                 raise ConfigError("--analyze re-runs the analysis of a saved model; give it with --load RUN")
             train(Config(**args))
-    except ConfigError as e:
+    except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
-        print("interrupted; the run folder keeps config.json, results.json and the last checkpoint",
+        print("interrupted; the run folder keeps the last checkpoint, and the same command continues from it",
               file=sys.stderr)
         return 130
     return 0

@@ -594,7 +594,7 @@ class Mamba(nn.Module):
         y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
     --d_conv 0 drops the convolution (x = SiLU(x)); the width-4 conv1d is still built, unused, as in
     tinylang's MambaWithoutConv. The block is RMSNorm -> Mamba -> residual, with no MLP."""
-    norm, has_mlp = nn.RMSNorm, False
+    norm, has_mlp = (lambda d: nn.RMSNorm(d, eps=1e-5)), False  # mamba's RMSNorm eps (torch's default: 1.2e-7)
 
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()

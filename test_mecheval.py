@@ -275,6 +275,15 @@ def test_parameter_counts_and_init():
     assert torch.equal(m.build_model(cfg, 50).embed.weight, m.build_model(cfg, 50).embed.weight)
 
 
+def test_mamba_block_norm_is_mambas_rmsnorm():
+    model = m.build_model(small_ar(arch="mamba", d_model=16), 53)
+    for block in model.blocks:  # weight only, eps 1e-5 (mamba_ssm's RMSNorm), no MLP
+        assert isinstance(block.norm1, torch.nn.RMSNorm) and block.norm1.eps == 1e-5 and block.mlp is None
+    x = torch.randn(2, 5, 16) * 1e-3  # where eps matters: r / sqrt(mean(r²) + eps) · w
+    want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(model.blocks[0].norm1(x), want, rtol=1e-5, atol=1e-7)
+
+
 def test_lr_schedule_warmup_then_cosine_to_zero():
     f = [m.lr_factor(s, 10, 100) for s in range(101)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)

@@ -55,7 +55,7 @@ def _compiled(fn):
 
 # ----------------------------------------------------------------------------------------------------
 # Short causal depthwise convolution: y[:, t, c] = b[c] + Σ_i w[c, i] · x[:, t-(k-1)+i, c], x[<0] = 0.
-# w[c, k-1] multiplies the current token (PyTorch Conv1d orientation, archs.md §2.1).
+# w[c, k-1] multiplies the current token (PyTorch Conv1d orientation).
 
 def short_conv_ref(x, w, b=None):
     """x (B, L, C), w (C, k), b (C,) or None -> (B, L, C)."""

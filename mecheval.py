@@ -195,7 +195,7 @@ def sample_distinct(rng, n, k, high):
 
 
 def make_ar(cfg, n, rng):
-    """Associative recall (paper.md, Task 1). A document with P=3 pairs (the paper uses P=16, length 37):
+    """Associative recall, the paper's first task, as in its code (aryamanarora/tinylang). A document with P=3 pairs (the paper uses P=16, length 37):
 
         position  0    1   2    3   4    5   6    7    8    9   10
         token     BOS  k7  v40  k2  v9   k5  v11  EOS  k2   v9  EOS
@@ -224,7 +224,7 @@ def make_ar(cfg, n, rng):
 
 
 class Grammar:
-    """The random right-headed PCFG behind associative treecall (paper.md, Task 2).
+    """The random right-headed PCFG behind associative treecall, the paper's new task (tinylang's grammar).
 
     40 nonterminals, each with a depth score in 1..10; a rule for X uses only nonterminals of larger
     score, so there is no recursion. Each X has 1..5 rules with Dirichlet(1) probabilities; a rule body
@@ -355,7 +355,7 @@ def make_task(cfg, train=True):
 
 # ----------------------------------------------------------------------------------------------------
 # Sequence mixers. Each maps the normed residual stream (B, T, d) to (B, T, d), strictly causally, and is
-# built as Mixer(cfg, layer_idx) so that a mixer may depend on its layer (archs.md §1.7).
+# built as Mixer(cfg, layer_idx) so that a mixer may depend on its layer (as zoology's Hybrid and BaseConv do).
 
 def register(name, lr):
     def wrap(cls):
@@ -366,7 +366,7 @@ def register(name, lr):
 
 @register("attention", lr=1e-3)
 class Attention(nn.Module):
-    """Causal softmax self-attention with one head (Vaswani et al. 2017; zoology's MHA, archs.md §3).
+    """Causal softmax self-attention with one head (Vaswani et al. 2017; zoology mixers/attention.py, MHA).
 
         [q | k | v] = x W_qkvᵀ            (no bias)
         o = softmax(q kᵀ / √d + M) v       M[t, s] = -1e4 for s > t
@@ -401,7 +401,7 @@ def conv_width(cfg, default):
 
 
 class ShortConv(nn.Conv1d):
-    """Causal depthwise convolution over time (archs.md §2.1), with Conv1d's parameters and default
+    """Causal depthwise convolution over time (zoology's ShortConvolution, Mamba's conv1d), with Conv1d's parameters and default
     init; runs through kernels.short_conv on (B, L, C)."""
 
     def __init__(self, channels, width, bias=True):
@@ -412,8 +412,8 @@ class ShortConv(nn.Conv1d):
 
 
 def positional_features(l_max, emb_dim=3):
-    """z_n = [t_n, cos(2π f n / l_max), -sin(2π f n / l_max)] with t_n = n/(l_max-1) and a single, almost
-    zero frequency f = 1e-4 (archs.md §2.3; degenerate in the original, kept for fidelity)."""
+    """z_n = [t_n, cos(2π f n / l_max), -sin(2π f n / l_max)], t_n = n/(l_max-1), one almost zero frequency
+    f = 1e-4 (zoology mixers/hyena.py, PositionalEmbedding; degenerate there too, kept for fidelity)."""
     t = torch.linspace(0, 1, l_max)[:, None]                       # (l_max, 1)
     f = torch.linspace(1e-4, (emb_dim - 1) // 2 - 1, (emb_dim - 1) // 2)
     w = 2 * math.pi * f * torch.arange(l_max)[:, None] / l_max      # (l_max, bands)
@@ -421,7 +421,7 @@ def positional_features(l_max, emb_dim=3):
 
 
 class BaseConv(nn.Module):
-    """BaseConv (Arora et al. 2024, "Zoology"; archs.md §5): y = Conv(u) ⊙ (u W_pᵀ + b_p) + u.
+    """BaseConv (Arora et al. 2024, "Zoology"; zoology mixers/base_conv.py): y = Conv(u) ⊙ (u W_pᵀ + b_p) + u.
     width > 0: a short causal conv with bias. width "long": the implicit long convolution
     Conv(u) = h * u + u with h = MLP(z) (3 -> 16 -> d, ReLU; no decay window) and frozen z, so the
     long variant adds u twice inside the mixer, as zoology's fft_conv does."""
@@ -446,7 +446,7 @@ class BaseConv(nn.Module):
 
 
 class BasedAttention(nn.Module):
-    """Based's Taylor linear attention (Arora et al. 2024; archs.md §7), one head, feature dim f=8:
+    """Based's Taylor linear attention (Arora et al. 2024; zoology mixers/based.py), one head, feature dim f=8:
         q = x W_qᵀ, k = x W_kᵀ (B, L, f), v = x W_vᵀ; y_t = Σ_{s<=t} φ(q_t)·φ(k_s) v_s / Σ_{s<=t} φ(q_t)·φ(k_s)
     with φ the 2nd-order Taylor features (φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√f); no q/k normalisation.
     The output projection is called proj_o as in zoology, so the init does not down-scale it."""
@@ -478,7 +478,7 @@ def base_conv(cfg, layer_idx):
 
 @register("hyena", lr=3e-3)
 class Hyena(nn.Module):
-    """Hyena of order 2 (Poli et al. 2023; zoology's operator, archs.md §4):
+    """Hyena of order 2 (Poli et al. 2023; zoology mixers/hyena.py):
         [x1 | x2 | v] = ShortConv3(u W_inᵀ + b);  y = x2 ⊙ (h * (x1 ⊙ v));  out = y W_outᵀ + b
     The long filter h[c, n] = MLP(z_n)[c] · exp(-t_n |δ_c|) comes from a Sin-activated MLP of width 64
     whose frequency ω is shared by its three Sin layers, over trainable positional features z. The skip
@@ -513,7 +513,7 @@ class Hyena(nn.Module):
 
 @register("h3", lr=3e-3)
 class H3(nn.Module):
-    """H3 (Fu et al. 2023; zoology, archs.md §6) with d_state N=1024 and head dim 2 (H = d/2 heads):
+    """H3 (Fu et al. 2023; zoology mixers/h3.py) with d_state N=1024 and head dim 2 (H = d/2 heads):
         k̃ = K_shift * k + D_k ⊙ k                 shift SSM: K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j]
         ŷ_h = K_h * (k̃_h v_hᵀ) + D_h (k̃_h v_hᵀ)  diagonal S4D SSM over the 2x2 outer products of a head
         y_h = q_hᵀ ŷ_h;  out = y W_oᵀ + b_o        output channels ordered (j, h) as in zoology
@@ -588,7 +588,7 @@ class H3(nn.Module):
 
 @register("mamba", lr=3e-3)
 class Mamba(nn.Module):
-    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.Mamba, archs.md §8), state N=16, expand 2,
+    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.py, Mamba), state N=16, expand 2,
     dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
         [x | z] = h W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
         y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
@@ -633,7 +633,7 @@ class Mamba(nn.Module):
 
 @register("deltanet", lr=1e-3)
 class DeltaNet(nn.Module):
-    """DeltaNet (Schlag et al. 2021; Yang et al. 2024, fla's layer as archs.md decides), one head:
+    """DeltaNet (Schlag et al. 2021; Yang et al. 2024; fla layers/delta_net.py, DeltaNet), one head:
         q, k, v = SiLU(ShortConv4(x W_{q,k,v}ᵀ)) (no conv bias);  q, k L2-normalised;  β = σ(x W_βᵀ)
         S_t = S_{t-1} + k_t β_t (v_t - S_{t-1}ᵀ k_t)ᵀ;  o_t = S_tᵀ q_t / √d;  out = RMSNorm(o) W_oᵀ
     fp32 throughout (fla's kernel runs bf16). --d_conv sets the short-conv width (0 = none)."""
@@ -659,7 +659,7 @@ class DeltaNet(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The model (archs.md §1): embeddings -> blocks that take and return the residual stream -> LayerNorm ->
+# The model (tinylang model/arch/zoology.py, after zoology's LanguageModel): embeddings -> blocks that take and return the residual stream -> LayerNorm ->
 # LM head tied to the token embedding. Interventions hook model.blocks[l] and model.blocks[l].mixer.
 
 class MLP(nn.Module):
@@ -715,7 +715,7 @@ class LanguageModel(nn.Module):
 
 
 def zoology_init(model, n_layers, mamba=False):
-    """zoology's _init_weights (archs.md §1.4). Non-Mamba models: every Linear N(0, 0.02) with zero bias,
+    """zoology's _init_weights (and mamba_ssm's for Mamba). Non-Mamba models: every Linear N(0, 0.02) with zero bias,
     embeddings N(0, 0.02), then out_proj / fc2 weights N(0, 0.02/√(2·n_layers)). Mamba models: Linear
     weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), out_proj is
     redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own initialisation."""
@@ -943,7 +943,7 @@ def analyse(model, task, cfg, results, log=print, grid=True):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Interchange interventions (paper.md, "The mechanistic metric"). Corrupt one context token (the base
+# Interchange interventions (the paper's mechanistic metric; tinylang eval/interchange.py). Corrupt one context token (the base
 # run), patch one activation of the clean document (the source run) back in at one site, layer and
 # position, and measure how much of the answer's probability returns at the query:
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
@@ -1230,7 +1230,7 @@ def load_run(run_dir, expect=None):
 # Experiments: learning-rate x width sweeps with best-run selection, as the paper reports its numbers.
 
 PAPER_WIDTHS = (16, 32, 64, 128, 256)
-PAPER_AR = {  # AR accuracy (%) by width, 2 layers, best learning rate per width (paper.md)
+PAPER_AR = {  # AR accuracy (%) by width, 2 layers, best learning rate per width (the paper's AR figure)
     "attention": (6.56, 100, 100, 100, 100), "based": (24.38, 93.12, 99.06, 98.75, 99.06),
     "mamba": (10.00, 76.88, 80.62, 89.69, 91.25), "hyena": (0.62, 0.94, 2.81, 13.75, 29.69),
     "base_conv": (0.00, 0.94, 3.75, 6.56, 9.69), "h3": (0.94, 0.62, 1.88, 2.50, 1.56)}

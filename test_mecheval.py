@@ -263,7 +263,7 @@ def test_model_is_causal_and_shapes():
 
 def test_parameter_counts_and_init():
     cfg = m.Config(d_model=64)
-    model = m.build_model(cfg, 8196)  # archs.md §10 counts with V = 8196
+    model = m.build_model(cfg, 8196)  # the paper's counts use V = 8196
     assert sum(p.numel() for p in model.blocks[0].mixer.parameters()) == 16_448
     assert sum(p.numel() for p in model.blocks.parameters()) == 99_584
     assert sum(p.numel() for p in model.parameters()) == 689_792
@@ -690,14 +690,14 @@ def test_compiled_equals_eager():
     assert all(c is not f for f, c in kernels._COMPILE["cache"].items()), "compilation fell back to eager"
 
 
-MIXER_PARAMS = {  # archs.md §10 at d=64: per-layer mixer parameters, and all blocks together
+MIXER_PARAMS = {  # the paper's models at d=64: per-layer mixer parameters, and all blocks together
     ("attention", "auto"): ([16_448, 16_448], 99_584), ("based", "auto"): ([4_416, 9_216], 80_320),
     ("based", "long"): ([8_384, 9_216], 84_288), ("base_conv", "auto"): ([4_416, 8_384], 79_488),
     ("base_conv", "long"): ([8_384, 8_384], 83_456), ("hyena", "auto"): ([33_280, 33_280], 133_248),
     ("h3", "auto"): ([246_144, 246_144], 558_976), ("mamba", "auto"): ([32_640, 32_640], 65_408),
     ("mamba", "3"): ([32_512] * 2, None), ("mamba", "2"): ([32_384] * 2, None), ("mamba", "1"): ([32_256] * 2, None),
     ("mamba", "0"): ([32_640] * 2, None),  # the unused width-4 conv is still built, as in tinylang
-    ("deltanet", "auto"): ([17_280, 17_280], None),  # archs.md's 17,280 for one head
+    ("deltanet", "auto"): ([17_280, 17_280], None),  # fla's DeltaNet with one head
 }
 
 

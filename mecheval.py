@@ -1231,7 +1231,7 @@ def load_run(run_dir, expect=None):
 
 PAPER_WIDTHS = (16, 32, 64, 128, 256)
 PAPER_AR = {  # AR accuracy (%) by width, 2 layers, best learning rate per width (the paper's AR figure)
-    "attention": (6.56, 100, 100, 100, 100), "based": (24.38, 93.12, 99.06, 98.75, 99.06),
+    "attention": (6.56, 100.0, 100.0, 100.0, 100.0), "based": (24.38, 93.12, 99.06, 98.75, 99.06),
     "mamba": (10.00, 76.88, 80.62, 89.69, 91.25), "hyena": (0.62, 0.94, 2.81, 13.75, 29.69),
     "base_conv": (0.00, 0.94, 3.75, 6.56, 9.69), "h3": (0.94, 0.62, 1.88, 2.50, 1.56)}
 PAPER_ATR_EASY = {  # ATR easy accuracy (%) at d = 16 / 64 / 256

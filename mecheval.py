@@ -195,7 +195,7 @@ def sample_distinct(rng, n, k, high):
 
 
 def make_ar(cfg, n, rng):
-    """Associative recall, the paper's first task, as in its code (aryamanarora/tinylang). A document with P=3 pairs (the paper uses P=16, length 37):
+    """Associative recall (the paper's AR, as aryamanarora/tinylang). A document with P=3 pairs (the paper: 16):
 
         position  0    1   2    3   4    5   6    7    8    9   10
         token     BOS  k7  v40  k2  v9   k5  v11  EOS  k2   v9  EOS
@@ -401,8 +401,8 @@ def conv_width(cfg, default):
 
 
 class ShortConv(nn.Conv1d):
-    """Causal depthwise convolution over time (zoology's ShortConvolution, Mamba's conv1d), with Conv1d's parameters and default
-    init; runs through kernels.short_conv on (B, L, C)."""
+    """Causal depthwise convolution over time (zoology's ShortConvolution, Mamba's conv1d), with Conv1d's
+    parameters and default init; runs through kernels.short_conv on (B, L, C)."""
 
     def __init__(self, channels, width, bias=True):
         super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
@@ -659,8 +659,8 @@ class DeltaNet(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The model (tinylang model/arch/zoology.py, after zoology's LanguageModel): embeddings -> blocks that take and return the residual stream -> LayerNorm ->
-# LM head tied to the token embedding. Interventions hook model.blocks[l] and model.blocks[l].mixer.
+# The model (tinylang model/arch/zoology.py): embeddings -> blocks that take and return the residual
+# stream -> LayerNorm -> LM head tied to the token embedding. Interventions hook blocks and their mixers.
 
 class MLP(nn.Module):
     def __init__(self, d):
@@ -943,8 +943,8 @@ def analyse(model, task, cfg, results, log=print, grid=True):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Interchange interventions (the paper's mechanistic metric; tinylang eval/interchange.py). Corrupt one context token (the base
-# run), patch one activation of the clean document (the source run) back in at one site, layer and
+# Interchange interventions (the paper's metric; tinylang eval/interchange.py). Corrupt one context token
+# (the base run), patch one activation of the clean document (the source run) back in at one site, layer and
 # position, and measure how much of the answer's probability returns at the query:
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
 # Sites are PyTorch forward hooks on model.blocks[l] (residual stream in / out), its mixer (normed input
@@ -1334,10 +1334,10 @@ def summarise_sweep(base, widths, cfgs, results, log=print):
     for d in widths:
         runs = [(cfg, r) for cfg, r in zip(cfgs, results) if cfg.d_model == d]
         cfg, best = max(runs, key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
-        rows.append({"task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": cfg.lr, "acc": 100 * best.get("final_acc", 0.0),
-                     "paper_acc": paper_acc(cfg), "attribution": last_layer_reads(best.get("mechanism")),
-                     "verdict": (best.get("mechanism") or {}).get("verdict"), "run": cfg.run_name,
-                     "steps": best.get("steps_done"), "train_seconds": best.get("train_seconds"),
+        rows.append({"task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": cfg.lr, "run": cfg.run_name,
+                     "acc": 100 * best.get("final_acc", 0.0), "paper_acc": paper_acc(cfg),
+                     "attribution": last_layer_reads(best.get("mechanism")), "steps": best.get("steps_done"),
+                     "verdict": (best.get("mechanism") or {}).get("verdict"), "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
         if "test_acc" in best:  # the generalisation split: its test documents beside the dev ones
             rows[-1].update(test_acc=100 * best["test_acc"], paper_test_acc=paper_acc(cfg, test=True),
@@ -1610,7 +1610,7 @@ def parse_args(argv=None):
     p.add_argument("--bench", action="store_true", default=argparse.SUPPRESS,
                    help="time a training step of every architecture at these settings, relative to attention")
     p.add_argument("--plot", default=argparse.SUPPRESS, metavar="DIR",
-                   help="draw DIR/accuracy_by_width.png and DIR/mechanism.png from a sweep or preset folder (needs matplotlib)")
+                   help="draw DIR/accuracy_by_width.png and DIR/mechanism.png of a sweep or preset (needs matplotlib)")
     p.add_argument("--analyze", action="store_true", default=argparse.SUPPRESS,
                    help="with --load: also run the interchange-intervention grid (saved in RUN/results.json)")
     return vars(p.parse_args(argv))

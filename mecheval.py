@@ -865,7 +865,7 @@ def train(cfg, task=None, log=print):
         order, cursor, results = ckpt["order"], ckpt["cursor"], ckpt["results"]
         log(f"resuming {run_dir} from its checkpoint at step {ckpt['step']:,} of {cfg.steps:,}")
     reached = lambda acc: cfg.target_acc > 0 and acc >= cfg.target_acc
-    done = results["history"] and reached(results["history"][-1]["acc"])  # stopped early, then cut short
+    done = bool(results["history"]) and reached(results["history"][-1]["acc"])  # stopped early, then cut short
 
     def finish(status):
         results.update(status=status, train_seconds=round(results["train_seconds"], 2),
@@ -988,8 +988,8 @@ def model_cells(model):
 
 @contextmanager
 def hooks(model, edits):
-    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, T, d) and returns
-    its replacement, or None to leave it. The hooks are removed on exit, also when the forward raises."""
+    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, T, d; conv_output has
+    the conv's channels) and returns its replacement, or None to leave it. Hooks go on exit, even on error."""
     handles = []
     try:
         for (site, layer), fn in edits.items():

@@ -6,6 +6,7 @@ definition you learn from) beside a fast form that gives the same outputs and gr
     short_conv          shift-and-add over the k taps          depthwise F.conv1d (compiled: shift-and-add)
     long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 128), rfft / irfft (n = 2L)
     based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
+    ssm_kernel          H3's S4D kernel by complex powers      real arithmetic, baby-step giant-step powers
     selective_scan      Mamba-1 loop indexing (B, L, D, N)     per-step loop on (B, D, N) slices
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
 
@@ -183,6 +184,42 @@ def _based_attention_identity(q, k, v, eps):
 def based_attention(q, k, v, eps=1e-12):
     """The same through the kernel identity, never building the 73-dim features."""
     return _compiled(_based_attention_identity)(q, k, v, eps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# H3's diagonal SSM kernel (S4D with the bilinear discretisation), per head h over N/2 complex modes n:
+#     K[h, t] = 2 Re Σ_n C̃_n λ_n^t,   λ = (1 + ΔA/2) / (1 - ΔA/2),   C̃ = C B Δ / (1 - ΔA/2)
+
+def ssm_kernel_ref(dt, A, B, C, L):
+    """dt (H,) real; A, B, C (H, N/2) complex -> K (H, L) real, by complex powers λ^t."""
+    z = dt[:, None] * A / 2
+    lam, Ct = (1 + z) / (1 - z), C * B * dt[:, None] / (1 - z)
+    return 2 * (Ct[..., None] * lam[..., None] ** torch.arange(L, device=dt.device)).sum(1).real
+
+
+def ssm_kernel(dt, A, B, C, L):
+    """The same in real arithmetic (complex ops are slow on a CPU). With z = ΔA/2 = x + iy,
+    log λ = log(1 + z) - log(1 - z) and C̃ = C B Δ (1 - z̄) / |1 - z|². The powers are a baby step, giant
+    step: λ^t = λ^(s·i) λ^j with t = s·i + j and s = ⌈√L⌉, so two Vandermonde blocks of ~√L powers and one
+    matmul replace the (H, N/2, L) block of the reference."""
+    dt = dt[:, None]                                                    # (H, 1)
+    x, y = dt * A.real / 2, dt * A.imag / 2                            # (H, N/2)
+    n_plus, n_minus = (1 + x) ** 2 + y ** 2, (1 - x) ** 2 + y ** 2    # |1 + z|², |1 - z|²
+    log_mag = 0.5 * (torch.log(n_plus) - torch.log(n_minus))         # log |λ|
+    angle = torch.atan2(y, 1 + x) + torch.atan2(y, 1 - x)            # arg λ (any branch: integer powers)
+    cb_re, cb_im = C.real * B.real - C.imag * B.imag, C.real * B.imag + C.imag * B.real   # C B
+    w = dt / n_minus
+    cr, ci = (w * (cb_re * (1 - x) - cb_im * y))[..., None], (w * (cb_re * y + cb_im * (1 - x)))[..., None]
+    s = math.ceil(math.sqrt(L))
+    j, i = torch.arange(s, device=dt.device), s * torch.arange(-(-L // s), device=dt.device)
+
+    def powers(e):  # λ^e = |λ|^e (cos eθ + i sin eθ), real and imaginary parts (H, N/2, len(e))
+        mag, ang = torch.exp(log_mag[..., None] * e), angle[..., None] * e
+        return mag * torch.cos(ang), mag * torch.sin(ang)
+    (Pr, Pi), (Gr, Gi) = powers(j), powers(i)
+    X = torch.cat([cr * Pr - ci * Pi, cr * Pi + ci * Pr], dim=1)     # C̃ λ^j, (H, N, s) as [re; im]
+    G = torch.cat([Gr, -Gi], dim=1)                                   # λ^(s i), [re; -im]
+    return 2 * torch.bmm(G.transpose(1, 2), X).flatten(1)[:, :L]      # Re Σ_n C̃ λ^(s i + j)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -518,8 +518,8 @@ class H3(nn.Module):
         ŷ_h = K_h * (k̃_h v_hᵀ) + D_h (k̃_h v_hᵀ)  diagonal S4D SSM over the 2x2 outer products of a head
         y_h = q_hᵀ ŷ_h;  out = y W_oᵀ + b_o        output channels ordered (j, h) as in zoology
     K_h[t] = 2 Re Σ_n C̃_n λ_n^t over N/2 conjugate-pair modes, bilinear discretisation
-    λ = (1 + ΔA/2)/(1 - ΔA/2), C̃ = C B Δ/(1 - ΔA/2), A_n = -exp(inv_A_real) + i A_imag. Complex
-    parameters are stored as real (..., 2) pairs and the kernel is computed in real arithmetic."""
+    λ = (1 + ΔA/2)/(1 - ΔA/2), C̃ = C B Δ/(1 - ΔA/2), A_n = -exp(inv_A_real) + i A_imag (kernels.ssm_kernel_ref).
+    Complex parameters are stored as real (..., 2) pairs, as in zoology."""
 
     def __init__(self, cfg, layer_idx, d_state=1024, head_dim=2):
         super().__init__()
@@ -546,31 +546,9 @@ class H3(nn.Module):
         return F.pad(torch.fft.irfft(Fb.conj() * Fc, n=n)[:, :min(N, L)], (0, max(0, L - N)))
 
     def ssm_kernel(self, L):                                            # -> (H, L)
-        # In real arithmetic (CPU complex ops are slow): with z = Δ A / 2 = x + i y,
-        # log λ = log(1 + z) - log(1 - z) and C̃ = C B Δ (1 - z̄) / |1 - z|².
-        dt = self.log_dt.exp()[:, None]                                 # (H, 1)
-        x, y = -dt * self.inv_A_real.exp() / 2, dt * self.A_imag / 2   # (H, N/2)
-        n_plus, n_minus = (1 + x) ** 2 + y ** 2, (1 - x) ** 2 + y ** 2   # |1 + z|², |1 - z|²
-        log_mag = 0.5 * (torch.log(n_plus) - torch.log(n_minus))        # log |λ|
-        angle = torch.atan2(y, 1 + x) + torch.atan2(y, 1 - x)           # arg λ (any branch: integer powers)
-        (Cr, Ci), (Br, Bi) = self.C.unbind(-1), self.B.unbind(-1)
-        cb_re, cb_im = Cr * Br - Ci * Bi, Cr * Bi + Ci * Br             # C B
-        w = dt / n_minus
-        cr, ci = ((w * (cb_re * (1 - x) - cb_im * y))[..., None],             # C̃, real and imaginary
-                  (w * (cb_re * y + cb_im * (1 - x)))[..., None])
-        # λ^t = λ^(s·i) λ^j with t = s·i + j, s = ⌈√L⌉ (baby step, giant step): two Vandermonde blocks of
-        # ~√L powers and one matmul replace the (H, N/2, L) block: 3x (L=37) to 7x (L=200) fewer terms
-        s = math.ceil(math.sqrt(L))
-        j, i = torch.arange(s, device=dt.device), s * torch.arange(-(-L // s), device=dt.device)
-
-        def powers(e):  # λ^e = |λ|^e (cos eθ + i sin eθ)
-            mag, ang = torch.exp(log_mag[..., None] * e), angle[..., None] * e
-            return mag * torch.cos(ang), mag * torch.sin(ang)                   # (H, N/2, len(e)) each
-        Pr, Pi = powers(j)
-        Gr, Gi = powers(i)
-        X = torch.cat([cr * Pr - ci * Pi, cr * Pi + ci * Pr], dim=1)         # C̃ λ^j, (H, N, s) as [re; im]
-        G = torch.cat([Gr, -Gi], dim=1)                                       # λ^(s i), [re; -im]
-        return 2 * torch.bmm(G.transpose(1, 2), X).flatten(1)[:, :L]          # Re Σ_n C̃ λ^(s i + j)
+        A = torch.complex(-self.inv_A_real.exp(), self.A_imag)
+        B, C = torch.view_as_complex(self.B), torch.view_as_complex(self.C)
+        return kernels.ssm_kernel(self.log_dt.exp(), A, B, C, L)
 
     def forward(self, u):                                               # (B, L, d)
         Bsz, L, d = u.shape

@@ -839,14 +839,12 @@ def test_h3_ssm_kernel_matches_the_complex_formula(L):
         h3.inv_A_real.uniform_(-2, 1)
         h3.log_dt.uniform_(-5, -1)
     params = [h3.log_dt, h3.inv_A_real, h3.A_imag, h3.B, h3.C]
-
-    def direct():  # K[h, t] = 2 Re Σ_n C̃_n λ_n^t, λ^t by complex powers
-        dt = h3.log_dt.exp()[:, None]
-        A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)
-        lam = (1 + dt * A / 2) / (1 - dt * A / 2)
-        Ct = torch.view_as_complex(h3.C) * torch.view_as_complex(h3.B) * dt / (1 - dt * A / 2)
-        return torch.stack([2 * (Ct * lam ** t).sum(1).real for t in range(L)], dim=1)
-    want, got = direct(), h3.ssm_kernel(L)
+    A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)  # the mixer's parameters, as the docstring's formula
+    want = kernels.ssm_kernel_ref(h3.log_dt.exp(), A, torch.view_as_complex(h3.B), torch.view_as_complex(h3.C), L)
+    dt, B, C = h3.log_dt.exp()[:, None], torch.view_as_complex(h3.B), torch.view_as_complex(h3.C)
+    lam, Ct = (1 + dt * A / 2) / (1 - dt * A / 2), C * B * dt / (1 - dt * A / 2)  # the last lag, written out
+    torch.testing.assert_close(want[:, L - 1], 2 * (Ct * lam ** (L - 1)).sum(1).real, rtol=1e-9, atol=1e-9)
+    got = h3.ssm_kernel(L)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     w = torch.randn_like(want)
     g_want = torch.autograd.grad((want * w).sum(), params)

@@ -364,6 +364,13 @@ def register(name, lr):
     return wrap
 
 
+def writes_residual(linear):
+    """Mark a projection whose output is added to the residual stream, so that the init scales it down
+    (GPT-2's 1/√(2·n_layers)). zoology picks these by name (out_proj, fc2); here each mixer marks its own."""
+    linear.writes_residual = True
+    return linear
+
+
 @register("attention", lr=1e-3)
 class Attention(nn.Module):
     """Causal softmax self-attention with one head (Vaswani et al. 2017; zoology mixers/attention.py, MHA).
@@ -381,7 +388,7 @@ class Attention(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.Wqkv = nn.Linear(d, 3 * d, bias=False)
-        self.out_proj = nn.Linear(d, d)
+        self.out_proj = writes_residual(nn.Linear(d, d))
 
     def forward(self, x):                          # (B, T, d)
         q, k, v = self.Wqkv(x).chunk(3, dim=-1)    # 3 x (B, T, d)
@@ -449,7 +456,7 @@ class BasedAttention(nn.Module):
     """Based's Taylor linear attention (Arora et al. 2024; zoology mixers/based.py), one head, feature dim f=8:
         q = x W_qᵀ, k = x W_kᵀ (B, L, f), v = x W_vᵀ; y_t = Σ_{s<=t} φ(q_t)·φ(k_s) v_s / Σ_{s<=t} φ(q_t)·φ(k_s)
     with φ the 2nd-order Taylor features (φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√f); no q/k normalisation.
-    The output projection is called proj_o as in zoology, so the init does not down-scale it."""
+    zoology's init does not down-scale its output projection (proj_o), so it is not marked writes_residual."""
 
     def __init__(self, d, feature_dim=8):
         super().__init__()
@@ -487,7 +494,7 @@ class Hyena(nn.Module):
     def __init__(self, cfg, layer_idx, order=64, l_max=MAX_LEN):
         super().__init__()
         d = cfg.d_model
-        self.in_proj, self.out_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.in_proj, self.out_proj = nn.Linear(d, 3 * d), writes_residual(nn.Linear(d, d))
         self.short_filter = ShortConv(3 * d, 3)
         self.z = nn.Parameter(positional_features(l_max))             # (l_max, 3), trainable here
         self.freq = nn.Parameter(torch.ones(order))                     # ω, shared by the Sin layers
@@ -585,7 +592,7 @@ class Mamba(nn.Module):
         self.dt_proj = nn.Linear(r, D)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(D, 1))   # A = -[1..N]
         self.D = nn.Parameter(torch.ones(D))
-        self.out_proj = nn.Linear(D, d, bias=False)
+        self.out_proj = writes_residual(nn.Linear(D, d, bias=False))
         self.reset_dt()
 
     def reset_dt(self, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
@@ -643,7 +650,7 @@ class DeltaNet(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), writes_residual(nn.Linear(4 * d, d))
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))  # exact-erf GELU
@@ -694,21 +701,21 @@ class LanguageModel(nn.Module):
 
 def zoology_init(model, n_layers, mamba=False):
     """zoology's _init_weights (and mamba_ssm's for Mamba). Non-Mamba models: every Linear N(0, 0.02) with zero bias,
-    embeddings N(0, 0.02), then out_proj / fc2 weights N(0, 0.02/√(2·n_layers)). Mamba models: Linear
-    weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), out_proj is
-    redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own initialisation."""
+    embeddings N(0, 0.02), then the projections marked writes_residual N(0, 0.02/√(2·n_layers)). Mamba models:
+    Linear weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), the
+    writes_residual projection is redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own."""
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and not mamba):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
             nn.init.zeros_(m.bias)
-    for name, p in model.named_parameters():
-        if mamba and name.endswith("out_proj.weight"):
-            nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+    for m in (m for m in model.modules() if getattr(m, "writes_residual", False)):
+        if mamba:
+            nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
             with torch.no_grad():
-                p /= math.sqrt(n_layers)
-        elif not mamba and name.endswith(("out_proj.weight", "fc2.weight")):
-            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+                m.weight /= math.sqrt(n_layers)
+        else:
+            nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * n_layers))
 
 
 def build_model(cfg, vocab_size):

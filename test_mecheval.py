@@ -273,6 +273,10 @@ def test_parameter_counts_and_init():
     assert abs(model.blocks[0].mixer.Wqkv.weight.std().item() - 0.02) < 0.001
     assert (model.blocks[0].mixer.out_proj.bias == 0).all()
     assert torch.equal(m.build_model(cfg, 50).embed.weight, m.build_model(cfg, 50).embed.weight)
+    scaled = lambda arch: sorted(n for n, mod in m.build_model(m.Config(arch=arch, d_model=16), 50).named_modules()
+                                 if getattr(mod, "writes_residual", False))  # zoology's out_proj / fc2, by role
+    assert scaled("based") == ["blocks.0.mlp.fc2", "blocks.1.mlp.fc2"]  # Based's proj_o keeps N(0, 0.02)
+    assert scaled("mamba") == ["blocks.0.mixer.out_proj", "blocks.1.mixer.out_proj"]
 
 
 def test_mamba_block_norm_is_mambas_rmsnorm():

@@ -61,49 +61,49 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message is one sentence naming the value and what is allowed."""
 
 
-def opt(default, help):
+def setting(default, help):
     return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class Config:
     # what to learn
-    task: str = opt("ar", "task: ar (associative recall) or atr (associative treecall)")
-    arch: str = opt("attention", "sequence mixer (see the mixer section)")
+    task: str = setting("ar", "task: ar (associative recall) or atr (associative treecall)")
+    arch: str = setting("attention", "sequence mixer (see the mixer section)")
     # the model
-    d_model: int = opt(64, "model width d")
-    n_layers: int = opt(2, "number of residual blocks")
-    pos_emb: str = opt("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
-    d_conv: str = opt("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
+    d_model: int = setting(64, "model width d")
+    n_layers: int = setting(2, "number of residual blocks")
+    pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
+    d_conv: str = setting("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
                               "base_conv 1-4 or long; auto = the architecture's own")
-    compile: bool = opt(False, "torch.compile the loop-free kernels (short conv, Based); eager on failure")
+    compile: bool = setting(False, "torch.compile the loop-free kernels (short conv, Based); eager on failure")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
-    lr: float = opt(0.0, "peak learning rate; 0 = the architecture's measured default")
-    steps: int = opt(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
-    batch_size: int = opt(32, "documents per step")
-    warmup: float = opt(0.1, "fraction of the steps spent in linear warm-up")
-    seed: int = opt(0, "seeds the data, the grammar, the initialisation and the batch order")
-    device: str = opt("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    eval_every: int = opt(250, "steps between evaluations, progress lines and checkpoints")
-    target_acc: float = opt(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
+    lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
+    steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
+    batch_size: int = setting(32, "documents per step")
+    warmup: float = setting(0.1, "fraction of the steps spent in linear warm-up")
+    seed: int = setting(0, "seeds the data, the grammar, the initialisation and the batch order")
+    device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
+    target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
     # the mechanism analysis after training
-    mechanism: bool = opt(True, "run the interchange-intervention grid after training")
-    corrupt: str = opt("key", "context token the analysis corrupts: key (the paper's) or value")
+    analyze: bool = setting(True, "run the interchange-intervention grid after training (with --load: on the saved model)")
+    corrupt: str = setting("key", "context token the analysis corrupts: key (the paper's) or value")
     # AR
-    n_pairs: int = opt(16, "AR: key-value pairs per document (length 2P+5)")
-    n_keys: int = opt(4096, "AR: number of key tokens")
-    n_values: int = opt(4096, "AR: number of value tokens")
+    n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
+    n_keys: int = setting(4096, "AR: number of key tokens")
+    n_values: int = setting(4096, "AR: number of value tokens")
     # ATR
-    atr_setting: str = opt("easy", "ATR grammar: easy (L=5, 20 terminals), medium (L=10, 20), 8192 (L=5, 8192)")
-    atr_split: str = opt("iid", "ATR: iid, or gen, the generalisation split: trained without the held-out "
+    atr_setting: str = setting("easy", "ATR grammar: easy (L=5, 20 terminals), medium (L=10, 20), 8192 (L=5, 8192)")
+    atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: trained without the held-out "
                                 "(parent, child) pairs, evaluated on dev (allowed pairs) and test (held-out pairs)")
-    atr_heldout: float = opt(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
+    atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
     # data sizes
-    n_train: int = opt(100_032, "training documents (iterated in epochs)")
-    n_eval: int = opt(320, "evaluation documents")
+    n_train: int = setting(100_032, "training documents (iterated in epochs)")
+    n_eval: int = setting(320, "evaluation documents")
     # where results go
-    out_dir: str = opt("runs", "folder that holds the run folders")
-    run_name: str = opt("", "run folder name; empty = derived from the settings")
+    out_dir: str = setting("runs", "folder that holds the run folders")
+    run_name: str = setting("", "run folder name; empty = derived from the settings")
 
     def __post_init__(self):
         self.validate()
@@ -906,21 +906,21 @@ def train(cfg, task=None, log=print):
         f"{n_params:,} parameters | {run_dir}")
     for line in results["wrong_examples"]:
         log("  wrong: " + line)
-    if task.test is not None or cfg.mechanism:
-        write_json(path("results.json"), analyse(model, task, cfg, results, log, cfg.mechanism))
+    if task.test is not None or cfg.analyze:
+        write_json(path("results.json"), analyse(model, task, cfg, results, log, cfg.analyze))
     return results
 
 
-def analyse(model, task, cfg, results, log=print, grid=True):
+def analyse(model, task, cfg, results, log=print, intervene=True):
     """After training: the accuracy on the generalisation split's test documents, if the task has them
-    (test_acc, test_p_answer), and with grid=True the interchange-intervention grid on each evaluation
+    (test_acc, test_p_answer), and with intervene=True the interchange-intervention grid on each evaluation
     split (mechanism on eval / dev, mechanism_test on test). Adds them to results and returns it."""
     if task.test is not None:
         ev = evaluate(model, task.test)
         results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
         log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} "
             f"on {len(task.test)} documents")
-    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if grid else ():
+    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
         if split is not None:
             results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
             log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
@@ -992,23 +992,32 @@ def hooks(model, edits):
             h.remove()
 
 
-def patch_positions(x, positions, values):
-    """x (B, T, d) with x[b, positions[b]] = values[b] (B, d), except where positions[b] < 0."""
-    x, rows = x.clone(), (positions >= 0).nonzero()[:, 0]
-    x[rows, positions[rows]] = values[rows].to(x.dtype)
-    return x
+def read_at(positions, into, key=()):
+    """A hook fn that stores the activation at named positions: into[key + (name,)] = x[b, positions[name][b]]
+    (B, d). A position of -1 (none in this document) reads position 0, which the caller ignores."""
+    def fn(x):
+        rows = torch.arange(len(x), device=x.device)
+        for name, p in positions.items():
+            into[key + (name,)] = x[rows, p.clamp(min=0)]
+    return fn
+
+
+def write_at(positions, values):
+    """A hook fn that replaces x[b, positions[b]] by values[b] (B, d), except where positions[b] < 0."""
+    def fn(x):
+        x, rows = x.clone(), (positions >= 0).nonzero()[:, 0]
+        x[rows, positions[rows]] = values[rows].to(x.dtype)
+        return x
+    return fn
 
 
 def interchange(model, base_ids, source_ids, site, layer, positions):
-    """Logits (B, T, V) of the base run with the source run's activation at `site` of block `layer`
+    """Logits (B, L, V) of the base run with the source run's activation at `site` of block `layer`
     patched in at one position per document: positions (B,), -1 for "no patch in this document"."""
-    rows, taken = torch.arange(len(positions), device=positions.device), {}
-
-    def take(x):
-        taken["x"] = x[rows, positions.clamp(min=0)]  # (B, d)
-    with hooks(model, {(site, layer): take}):
+    source = {}
+    with hooks(model, {(site, layer): read_at({"x": positions}, source)}):
         model.hidden(source_ids)
-    with hooks(model, {(site, layer): lambda x: patch_positions(x, positions, taken["x"])}):
+    with hooks(model, {(site, layer): write_at(positions, source["x",])}):
         return model(base_ids)
 
 
@@ -1038,34 +1047,28 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
     pos = {k: split.pos[k].to(device) for k in POSITIONS}
     rows = torch.arange(len(split), device=device)
 
-    def p_answer(ids):  # (N,) probability of the correct answer at the query
+    def p_answer(ids):  # (M,) probability of the correct answer at the query
         return answer_logits(model, ids, query).softmax(-1)[rows, answer]
 
     cells = model_cells(model)
-    clean_acts = {}  # (site, layer, position) -> (N, d)
-
-    def grab(cell):
-        def fn(x):
-            for k in POSITIONS:
-                clean_acts[cell + (k,)] = x[rows, pos[k].clamp(min=0)]
-        return fn
-    with hooks(model, {cell: grab(cell) for cell in cells}):
-        p_o = p_answer(clean)
-    p_c = p_answer(base)
+    clean_acts = {}  # (site, layer, position) -> (M, d), from one clean forward
+    with hooks(model, {cell: read_at(pos, clean_acts, cell) for cell in cells}):
+        p_clean = p_answer(clean)
+    p_corrupt = p_answer(base)
     stats = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
     for cell in cells:
         for k in POSITIONS:
-            with hooks(model, {cell: lambda x: patch_positions(x, pos[k], clean_acts[cell + (k,)])}):
-                p_r = p_answer(base)
+            with hooks(model, {cell: write_at(pos[k], clean_acts[cell + (k,)])}):
+                p_patched = p_answer(base)
             valid = (pos[k] >= 0).float()
-            stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1) for p in (p_o, p_c, p_r)]))
+            stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1) for p in (p_clean, p_corrupt, p_patched)]))
     model.train(was_training)
     grid = [{"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c, "p_patched": r,
              "attribution": (r - c) / (o - c) if o - c > 0.01 else None}
             for (site, layer, k), (o, c, r) in zip([cell + (k,) for cell in cells for k in POSITIONS],
                                                    torch.stack(stats).tolist())]  # one transfer for the grid
-    result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_o.mean().item(),
-              "p_corrupt": p_c.mean().item(), "n_layers": len(model.blocks), "grid": grid,
+    result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_clean.mean().item(),
+              "p_corrupt": p_corrupt.mean().item(), "n_layers": len(model.blocks), "grid": grid,
               "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
     result["verdict"] = verdict(result)
     return result
@@ -1078,23 +1081,33 @@ def verdict(mech, threshold=0.5):
     earlier layers stored the key at the value), the key itself (direct retrieval by layer r's mixer) or
     the next key (direct retrieval from a token the key was copied forward to). For 2 layers this is the
     paper's reading of layer-1 block_input: value => induction, query => direct retrieval in layer 0,
-    key => direct retrieval in layer 1."""
-    if mech["p_clean"] - mech["p_corrupt"] <= 0.01:
-        return (f"no verdict: p_clean - p_corrupt = {mech['p_clean'] - mech['p_corrupt']:.3f} <= 0.01, "
-                f"the corruption does not hurt this model, so attributions would be noise")
+    key => direct retrieval in layer 1. Returns {"kind", "layer": r, "reads": the attributions read};
+    kind is induction, direct retrieval, direct retrieval from the next key, mixed or no verdict."""
+    gap = mech["p_clean"] - mech["p_corrupt"]
+    if gap <= 0.01:  # the corruption does not hurt this model, so attributions would be noise
+        return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
     a = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
     L = mech["n_layers"]
     r = next((l for l in range(L) if a["block_output", l, "query"] >= threshold), L - 1)
     if r == 0:
-        return f"direct retrieval in layer 0 (layer-0 block_output at the query: {a['block_output', 0, 'query']:.2f})"
-    read = {k: a["block_input", r, k] for k in ("value", "key", "next_key")}
-    numbers = ", ".join(f"{k} {v:.2f}" for k, v in read.items()) + f", query {a['block_input', r, 'query']:.2f}"
-    best = max(read, key=read.get)
-    if read[best] < threshold:
-        return f"mixed: no single position carries the answer into layer {r} ({numbers})"
-    kind = {"value": "induction", "key": f"direct retrieval in layer {r}",
-            "next_key": f"direct retrieval in layer {r} from the next key"}[best]
-    return f"{kind} (layer-{r} block_input attribution: {numbers})"
+        return {"kind": "direct retrieval", "layer": 0, "reads": {"query": a["block_output", 0, "query"]}}
+    reads = {k: a["block_input", r, k] for k in ("value", "key", "next_key", "query")}
+    best = max(("value", "key", "next_key"), key=reads.get)
+    kind = "mixed" if reads[best] < threshold else \
+        {"value": "induction", "key": "direct retrieval", "next_key": "direct retrieval from the next key"}[best]
+    return {"kind": kind, "layer": r, "reads": reads}
+
+
+def verdict_text(v, numbers=True):
+    """A verdict in words, with the attributions it rests on unless numbers=False."""
+    if not isinstance(v, dict):  # none, or text written by an earlier version
+        return v or "-"
+    kind, r = v["kind"], v["layer"]
+    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
+    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
+             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
+    digits = 3 if r is None else 2
+    return f"{name} ({where} " + ", ".join(f"{k} {x:.{digits}f}" for k, x in v["reads"].items()) + ")" if numbers else name
 
 
 def format_mechanism(mech):
@@ -1110,7 +1123,7 @@ def format_mechanism(mech):
         lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
                                                          f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
                                                          for k in POSITIONS))
-    return "\n".join(lines + [f"verdict: {mech['verdict']}"])
+    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1152,9 +1165,12 @@ def config_errors(c):
 FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
 
 
+RENAMED = {"mechanism": "analyze"}  # settings renamed since run folders were first written: old -> new
+
+
 def run_settings(config):
     """What a run computes: its config dict without where it is written and which device ran it."""
-    return {k: v for k, v in config.items() if k not in ("out_dir", "device")}
+    return {RENAMED.get(k, k): v for k, v in config.items() if k not in ("out_dir", "device")}
 
 
 def open_run_folder(cfg, run_dir):
@@ -1181,7 +1197,7 @@ def open_run_folder(cfg, run_dir):
 
 # Settings that do not change a trained model: given with --load they replace the saved ones. Any other
 # setting given with --load must match the checkpoint's.
-EVAL_ONLY_FIELDS = ("device", "n_eval", "out_dir")
+EVAL_ONLY_FIELDS = ("device", "n_eval", "out_dir", "analyze")
 
 
 def load_run(run_dir, expect=None):
@@ -1192,7 +1208,7 @@ def load_run(run_dir, expect=None):
         raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     try:
-        cfg = Config(**ckpt["config"])
+        cfg = Config(**{RENAMED.get(k, k): v for k, v in ckpt["config"].items()})
     except TypeError as e:
         raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
     for k, v in (expect or {}).items():
@@ -1322,7 +1338,7 @@ def summarise_sweep(base, widths, cfgs, results, log=print):
         rows.append({"task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": cfg.lr, "run": cfg.run_name,
                      "acc": 100 * best.get("final_acc", 0.0), "paper_acc": paper_acc(cfg),
                      "attribution": last_layer_reads(best.get("mechanism")), "steps": best.get("steps_done"),
-                     "verdict": (best.get("mechanism") or {}).get("verdict"), "train_seconds": best.get("train_seconds"),
+                     "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False), "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
         if "test_acc" in best:  # the generalisation split: its test documents beside the dev ones
             rows[-1].update(test_acc=100 * best["test_acc"], paper_test_acc=paper_acc(cfg, test=True),
@@ -1330,7 +1346,7 @@ def summarise_sweep(base, widths, cfgs, results, log=print):
     summary = {"task": base.task, "arch": base.arch, "atr_setting": base.atr_setting, "rows": rows}
     lines = [f"{base.arch} on {base.task}: best learning rate per width", ""] + md_table(
         ("d", "best lr", "accuracy %", "paper %", "value", "key", "query", "verdict"),
-        [(r["d_model"], f"{r['best_lr']:g}", r["acc"], r["paper_acc"], *r["attribution"].values(), _short(r["verdict"]))
+        [(r["d_model"], f"{r['best_lr']:g}", r["acc"], r["paper_acc"], *r["attribution"].values(), r["verdict"])
          for r in rows])
     return save_summary(base.out_dir, summary, lines + generalisation_lines(rows), log)
 
@@ -1359,10 +1375,6 @@ def generalisation_lines(rows):
         [(r.get("label", r["run"]), r["d_model"], r["acc"], r["paper_acc"], r["test_acc"], r["paper_test_acc"],
           *(f"{_num(r['attribution'][k])} -> {_num(r['test_attribution'][k])}" for k in ("value", "key", "query")))
          for r in rows]) if rows else []
-
-
-def _short(verdict):
-    return (verdict or "-").split(" (")[0].split(":")[0]
 
 
 def _num(v):
@@ -1428,7 +1440,7 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
         res, results = results[:len(grid)], results[len(grid):]
         for row in summarise_sweep(cfg, widths, grid, res, log=lambda s: None)["rows"]:
             rows.append({"label": label, "group": label.rsplit("_s", 1)[0] if name == "seeds" else label,
-                         "verdict_short": _short(row["verdict"]), **row})
+                         **row})
     spread = []  # entries that differ only in their seed: mean and sample std of accuracy and attribution
     for group in dict.fromkeys(r["group"] for r in rows):
         for d in widths:
@@ -1444,7 +1456,7 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
     lines = [f"preset {name}: best learning rate per width", ""] + md_table(
         ("run", "d", "best lr", "steps", "accuracy %", "paper %", "value", "key", "query", "verdict"),
         [(r["label"], r["d_model"], f"{r['best_lr']:g}", f"{r['steps'] or 0:,}", r["acc"], r["paper_acc"],
-          *r["attribution"].values(), r["verdict_short"]) for r in rows])
+          *r["attribution"].values(), r["verdict"]) for r in rows])
     pm = lambda s, k: "-" if s[f"{k}mean"] is None else f"{s[f'{k}mean']:.2f} ± {s[f'{k}std']:.2f}"
     lines += ["", *md_table(("group", "d", "accuracy %", "value", "query", "seeds"),
                             [(s["group"], s["d_model"], pm(s, ""), pm(s, "value_"), pm(s, "query_"), s["n"])
@@ -1574,9 +1586,9 @@ def parse_args(argv=None):
     """The flags given on the command line (only those), as a dict."""
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
     for f in fields(Config):
-        kind = _bool if f.type is bool else f.type
+        flag = dict(type=_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --compile = true
         extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
-        p.add_argument(f"--{f.name}", type=kind, default=argparse.SUPPRESS,
+        p.add_argument(f"--{f.name}", **flag, default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")
     p.add_argument("--load", default=argparse.SUPPRESS, metavar="RUN",
                    help="evaluate a saved run folder instead of training")
@@ -1596,15 +1608,12 @@ def parse_args(argv=None):
                    help="time a training step of every architecture at these settings, relative to attention")
     p.add_argument("--plot", default=argparse.SUPPRESS, metavar="DIR",
                    help="draw DIR/accuracy_by_width.png and DIR/mechanism.png of a sweep or preset (needs matplotlib)")
-    p.add_argument("--analyze", action="store_true", default=argparse.SUPPRESS,
-                   help="with --load: also run the interchange-intervention grid (saved in RUN/results.json)")
     return vars(p.parse_args(argv))
 
 
 def main(argv=None):
     args = parse_args(argv)
-    analyze = args.pop("analyze", False)
-    grid = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "jobs") if k in args}
+    flags = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "jobs") if k in args}
     bench = args.pop("bench", False)
     try:
         if bench:
@@ -1614,15 +1623,15 @@ def main(argv=None):
         if "plot" in args:
             plot(args.pop("plot"))
             return 0
-        if grid and not (grid.get("sweep") or grid.get("preset")):
-            raise ConfigError(f"--{next(iter(grid))} belongs to a sweep; add --sweep or --preset NAME")
-        if grid.get("jobs", 1) < 1:
-            raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
-        if grid:
-            if "preset" in grid:
-                run_preset(grid["preset"], args, grid.get("widths"), grid.get("lrs"), grid.get("jobs", 1))
+        if flags and not (flags.get("sweep") or flags.get("preset")):
+            raise ConfigError(f"--{next(iter(flags))} belongs to a sweep; add --sweep or --preset NAME")
+        if flags.get("jobs", 1) < 1:
+            raise ConfigError(f"--jobs must be at least 1, not {flags['jobs']}")
+        if flags:
+            if "preset" in flags:
+                run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1))
             else:
-                sweep(Config(**args), grid.get("widths", PAPER_WIDTHS), grid.get("lrs"), grid.get("jobs", 1))
+                sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1))
             return 0
         if "load" in args:
             run_dir = args.pop("load")
@@ -1635,14 +1644,13 @@ def main(argv=None):
                   f"p(answer) {ev['p_answer']:.3f} on {len(task.eval)} documents")
             for line in wrong_examples(task, task.eval, ev["preds"]):
                 print("  wrong: " + line)
-            found = analyse(model, task, cfg, {}, print, grid=analyze)
+            analyze = args.get("analyze", False)  # given with --load: run the grid on the saved model
+            found = analyse(model, task, cfg, {}, print, intervene=analyze)
             if analyze:
                 path = os.path.join(run_dir, "results.json")
                 results = json.load(open(path)) if os.path.isfile(path) else {}
                 write_json(path, {**results, **found})
         else:
-            if analyze:
-                raise ConfigError("--analyze re-runs the analysis of a saved model; give it with --load RUN")
             train(Config(**args))
     except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)

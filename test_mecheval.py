@@ -323,7 +323,7 @@ def test_trained_attention_shows_induction(trained_small_ar):
     assert a["block_input", 1, "query"] <= 0.2, mech["verdict"]
     assert a["block_input", 0, "key"] == pytest.approx(1.0, abs=1e-4), "restoring the corrupted token itself"
     assert a["block_output", 1, "query"] == pytest.approx(1.0, abs=1e-4), "the last residual decides"
-    assert mech["verdict"].startswith("induction")
+    assert mech["verdict"]["kind"] == "induction"
     saved = json.loads(open(os.path.join(cfg.out_dir, cfg.run_name, "results.json")).read())
     assert saved["mechanism"]["grid"] == mech["grid"]
 
@@ -489,18 +489,21 @@ def fake_mech(n_layers, values, p_clean=0.9, p_corrupt=0.1):
 
 def test_verdict_reads_the_grid_like_the_paper():
     last = lambda L: {("block_output", L - 1, "query"): 1.0}
+    kind = lambda mech: (m.verdict(mech)["kind"], m.verdict(mech)["layer"])
     v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "value"): 0.95}))
-    assert v.startswith("induction")
+    assert (v["kind"], v["layer"], v["reads"]["value"]) == ("induction", 1, 0.95)
+    assert m.verdict_text(v).startswith("induction (layer-1 block_input attribution: value 0.95")
     v = m.verdict(fake_mech(2, {**last(2), ("block_output", 0, "query"): 0.9, ("block_input", 1, "query"): 0.9}))
-    assert v.startswith("direct retrieval in layer 0")
-    v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.8}))
-    assert v.startswith("direct retrieval in layer 1")
-    v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.3, ("block_input", 1, "value"): 0.3}))
-    assert v.startswith("mixed")
-    assert m.verdict(fake_mech(2, {}, p_clean=0.5, p_corrupt=0.495)).startswith("no verdict")
-    v = m.verdict(fake_mech(3, {**last(3), ("block_output", 1, "query"): 0.9, ("block_input", 1, "value"): 0.9}))
-    assert v.startswith("induction") and "layer-1" in v
-    assert m.verdict(fake_mech(1, last(1))).startswith("direct retrieval in layer 0")
+    assert m.verdict_text(v, numbers=False) == "direct retrieval in layer 0"
+    assert kind(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.8})) == ("direct retrieval", 1)
+    v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "next_key"): 0.8}))
+    assert m.verdict_text(v, numbers=False) == "direct retrieval in layer 1 from the next key"
+    assert kind(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.3, ("block_input", 1, "value"): 0.3}))[0] == "mixed"
+    v = m.verdict(fake_mech(2, {}, p_clean=0.5, p_corrupt=0.495))
+    assert v["kind"] == "no verdict" and m.verdict_text(v).startswith("no verdict (the corruption does not hurt")
+    assert kind(fake_mech(3, {**last(3), ("block_output", 1, "query"): 0.9, ("block_input", 1, "value"): 0.9})) \
+        == ("induction", 1)
+    assert kind(fake_mech(1, last(1))) == ("direct retrieval", 0)
     table = m.format_mechanism({**fake_mech(2, {("block_input", 1, "value"): 0.95}), "corrupt": "key",
                                 "n_docs": 3, "verdict": "x"})
     assert "block_input" in table and "█  0.95" in table and table.count("\n") == 2 + 2 * len(m.SITES)
@@ -585,7 +588,7 @@ def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
 
 
 def test_interrupted_run_resumes_on_the_same_trajectory(tmp_path, capsys):
-    cfg = small_atr(arch="mamba", d_model=16, steps=60, eval_every=10, target_acc=0, mechanism=False,
+    cfg = small_atr(arch="mamba", d_model=16, steps=60, eval_every=10, target_acc=0, analyze=False,
                     out_dir=str(tmp_path), run_name="whole")
     whole = m.train(cfg, log=lambda s: None)
 
@@ -731,7 +734,7 @@ def test_every_architecture_is_strictly_causal(arch):
 
 
 def loss_falls(cfg, tmp_path):
-    res = m.train(m.Config(**{**dict(d_model=32, steps=200, eval_every=50, target_acc=0, mechanism=False, lr=3e-3,
+    res = m.train(m.Config(**{**dict(d_model=32, steps=200, eval_every=50, target_acc=0, analyze=False, lr=3e-3,
                                      out_dir=str(tmp_path), n_eval=64), **cfg}), log=lambda s: None)
     losses = [h["loss"] for h in res["history"]]  # mean training loss of each 50-step interval
     assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, f"{cfg}: {losses}"

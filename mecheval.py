@@ -736,16 +736,6 @@ class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or infinite."""
 
 
-def pick_device(name):
-    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
-    if name == "auto":
-        return next(kind for kind, ok in available.items() if ok)
-    if not available[name.split(":")[0]]:
-        raise ConfigError(f"device '{name}' was asked for but {name.split(':')[0].upper()} is not available here; "
-                          f"use auto or cpu")
-    return name
-
-
 def answer_logits(model, ids, query):
     """Logits (B, V) at the query position of each document: ids (B, T), query (B,). Computing the
     head only where the loss is read saves a (B, T, V) product."""
@@ -783,12 +773,38 @@ def wrong_examples(task, split, preds, k=3, max_tokens=40):
     return out
 
 
-def train_step(model, opt, ids, query, answer):
+def pick_device(name):
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    if name == "auto":
+        return next(kind for kind, ok in available.items() if ok)
+    if not available[name.split(":")[0]]:
+        raise ConfigError(f"device '{name}' was asked for but {name.split(':')[0].upper()} is not available here; "
+                          f"use auto or cpu")
+    return name
+
+
+def setup(cfg):
+    """The device of cfg, with torch.compile switched as cfg asks and denormals flushed on a CPU (where they
+    are 10-20x slower)."""
+    device = pick_device(cfg.device)
+    kernels.set_compile(cfg.compile)
+    if device == "cpu":
+        torch.set_flush_denormal(True)
+    return device
+
+
+def adamw(model, lr, device):
+    """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
+                             fused=device.startswith(("cpu", "cuda")))
+
+
+def train_step(model, optimizer, ids, query, answer):
     """One optimiser step on the cross-entropy of the answer at the query; returns the loss."""
     loss = F.cross_entropy(answer_logits(model, ids, query), answer)
-    opt.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    opt.step()
+    optimizer.step()
     return loss
 
 
@@ -800,15 +816,29 @@ def lr_factor(step, warmup_steps, total_steps):
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def write_json(path, obj):
-    tmp = path + ".tmp"  # write then rename, so a crash never leaves a half-written file
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+class Batches:
+    """The batch order: epochs over the training documents, each a fresh permutation from the run's own
+    generator, the last partial batch dropped. next() also gives the batch's longest document, to which
+    the padding is trimmed (ATR lengths vary); rounded up to a multiple of round_to, so that compiled
+    kernels see few distinct shapes."""
 
+    def __init__(self, lengths, batch_size, seed, round_to=1):
+        self.lengths, self.B, self.round_to = lengths, batch_size, round_to
+        self.gen, self.order, self.cursor = torch.Generator().manual_seed(seed), None, len(lengths)
 
-def fmt_time(s):
-    return f"{s / 3600:.1f}h" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
+    def next(self):
+        if self.cursor + self.B > len(self.lengths):  # a new epoch
+            self.order, self.cursor = torch.randperm(len(self.lengths), generator=self.gen), 0
+        idx, self.cursor = self.order[self.cursor:self.cursor + self.B], self.cursor + self.B
+        L = -(-int(self.lengths[idx].max()) // self.round_to) * self.round_to
+        return idx, min(L, int(self.lengths.max()))
+
+    def state_dict(self):
+        return {"batch_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.gen.set_state(state["batch_gen"])
+        self.order, self.cursor = state["order"], state["cursor"]
 
 
 def train(cfg, task=None, log=print):
@@ -817,98 +847,42 @@ def train(cfg, task=None, log=print):
     continues from its last checkpoint, on the same trajectory. Raises NonFiniteLoss (after saving) on a
     NaN loss."""
     cfg.validate()
-    device = pick_device(cfg.device)
-    kernels.set_compile(cfg.compile)
-    if device == "cpu":
-        torch.set_flush_denormal(True)  # denormal floats are 10-20x slower on x86
-    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    path = lambda name: os.path.join(run_dir, name)
-    ckpt = open_run_folder(cfg, run_dir)  # the checkpoint of an unfinished run to continue, or None
+    device = setup(cfg)
+    run = Run(cfg, log)  # the run folder: results, progress lines, checkpoints (with the machinery below)
     log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     t0 = time.time()
     task = task or make_task(cfg)
-    data, N, B = task.train, len(task.train), cfg.batch_size
-    log(f"task {cfg.task}: {N:,} training and {len(task.eval):,} evaluation documents, vocabulary "
+    log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, vocabulary "
         f"{task.vocab_size:,}, built in {time.time() - t0:.1f}s")
     model = build_model(cfg, task.vocab_size).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
-
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0,
-                            fused=device.startswith(("cpu", "cuda")))  # one fused update for all parameters
+    log(f"model {cfg.arch}: {run.start(model, task):,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, "
+        f"device {device}")
+    optimizer = adamw(model, cfg.lr, device)
     warmup_steps = int(cfg.warmup * cfg.steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup_steps, cfg.steps))
-    ids_all, query_all, answer_all = (t.to(device) for t in (data.input_ids, data.pos["query"], data.answers))
-    gen, order, cursor = torch.Generator().manual_seed(cfg.seed), None, N  # the batch order
-    results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0, "history": [],
-               "train_seconds": 0.0}
-    if ckpt:  # the checkpoint holds everything the loop carries from one step to the next
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        gen.set_state(ckpt["batch_gen"])
-        order, cursor, results = ckpt["order"], ckpt["cursor"], ckpt["results"]
-        log(f"resuming {run_dir} from its checkpoint at step {ckpt['step']:,} of {cfg.steps:,}")
-    reached = lambda acc: cfg.target_acc > 0 and acc >= cfg.target_acc
-    done = bool(results["history"]) and reached(results["history"][-1]["acc"])  # stopped early, then cut short
-
-    def finish(status):
-        results.update(status=status, train_seconds=round(results["train_seconds"], 2),
-                       ms_per_step=round(1000 * results["train_seconds"] / max(1, results["steps_done"]), 3))
-        write_json(path("results.json"), results)
-
-    loss_sum, t_interval, ev = torch.zeros((), device=device), time.time(), None
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
+    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, round_to=16 if cfg.compile else 1)
+    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
+    ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
+    loss_sum, ev = torch.zeros((), device=device), None
     try:
-        for step in range(cfg.steps + 1 if done else results["steps_done"] + 1, cfg.steps + 1):
-            if cursor + B > N:  # a new epoch: reshuffle, drop the last partial batch
-                order, cursor = torch.randperm(N, generator=gen), 0
-            idx, cursor = order[cursor:cursor + B], cursor + B
-            T = int(data.lengths[idx].max())  # ATR lengths vary: trim the padding of this batch
-            if cfg.compile:  # ... to a multiple of 16, so compiled kernels see few distinct shapes
-                T = min(-(-T // 16) * 16, ids_all.shape[1])
+        for step in range(run.resume(state), cfg.steps + 1):  # from 1, or from the checkpoint's next step
+            idx, L = batches.next()
             idx = idx.to(device)
-            loss_sum += train_step(model, opt, ids_all[idx, :T], query_all[idx], answer_all[idx]).detach()
-            sched.step()
-            if step % cfg.eval_every and step != cfg.steps:
-                continue
-            n = step - results["steps_done"]  # steps since the last evaluation
-            train_loss, dt = (loss_sum / n).item(), time.time() - t_interval
-            results["train_seconds"] += dt
-            if not math.isfinite(train_loss):
-                finish("nonfinite")
-                raise NonFiniteLoss(
-                    f"the training loss became {train_loss} between steps {step - n + 1} and {step} "
-                    f"(lr={cfg.lr:g}); {run_dir} keeps config.json, results.json and the last good checkpoint")
-            ev = evaluate(model, task.eval)
-            results["history"].append({"step": step, "loss": round(train_loss, 5), "acc": ev["acc"],
-                                       "p_answer": round(ev["p_answer"], 5), "lr": sched.get_last_lr()[0]})
-            results.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
-                           best_acc=max(ev["acc"], results.get("best_acc", 0.0)))
-            log(f"step {step:>6}/{cfg.steps} | loss {train_loss:.4f} | acc {ev['acc']:.4f} | p(answer) "
-                f"{ev['p_answer']:.3f} | {1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}")
-            torch.save({"config": asdict(cfg), "vocab_size": task.vocab_size, "step": step, "model": model.state_dict(),
-                        "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "batch_gen": gen.get_state(),
-                        "order": order, "cursor": cursor, "results": results}, path("model.pt"))
-            write_json(path("results.json"), results)
-            if reached(ev["acc"]):
-                break
-            loss_sum, t_interval = torch.zeros((), device=device), time.time()
+            loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx]).detach()
+            schedule.step()
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                ev = run.evaluation(step, loss_sum, model, schedule.get_last_lr()[0])
+                run.checkpoint(step, state)
+                if run.reached(ev["acc"]):
+                    break
+                loss_sum = torch.zeros((), device=device)
     except KeyboardInterrupt:
-        finish("interrupted")
+        run.finish("interrupted")
         raise
-    ev = ev or evaluate(model, task.eval)  # a resumed run whose checkpoint was already its last
-    torch.save({"config": asdict(cfg), "vocab_size": task.vocab_size, "step": results["steps_done"],
-                "model": model.state_dict()}, path("model.pt"))  # the weights alone, without the resume state
-    results["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
-    finish("target reached" if reached(ev["acc"]) else "completed")
-    log(f"done ({results['status']}) after {results['steps_done']:,} steps, {fmt_time(results['train_seconds'])} of "
-        f"training ({results['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} | "
-        f"{n_params:,} parameters | {run_dir}")
-    for line in results["wrong_examples"]:
-        log("  wrong: " + line)
+    run.complete(model, ev or evaluate(model, task.eval))  # ev is None if the checkpoint was the last step
     if task.test is not None or cfg.analyze:
-        write_json(path("results.json"), analyse(model, task, cfg, results, log, cfg.analyze))
-    return results
+        write_json(run.path("results.json"), analyse(model, task, cfg, run.results, log, cfg.analyze))
+    return run.results
 
 
 def analyse(model, task, cfg, results, log=print, intervene=True):
@@ -1160,6 +1134,99 @@ def config_errors(c):
     yield c.arch == "h3" and c.d_model % 2, f"h3 splits d_model into heads of 2 channels; d_model={c.d_model} must be even"
     yield ar and c.atr_split != "iid", f"atr_split={c.atr_split} is an ATR option; with task=ar use atr_split=iid"
     yield c.batch_size > c.n_train, f"batch_size={c.batch_size} is larger than the training set (n_train={c.n_train})"
+
+
+def write_json(path, obj):
+    tmp = path + ".tmp"  # write then rename, so a crash never leaves a half-written file
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def fmt_time(s):
+    return f"{s / 3600:.1f}h" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+class Run:
+    """The bookkeeping of one training run in its folder out_dir/run_name: the results dict (history,
+    status, timing), progress lines, the checkpoints a rerun continues from, and the final files."""
+
+    def __init__(self, cfg, log=print):
+        self.cfg, self.log, self.dir = cfg, log, os.path.join(cfg.out_dir, cfg.run_name)
+        self.ckpt = open_run_folder(cfg, self.dir)  # the checkpoint of an unfinished run to continue, or None
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def start(self, model, task):
+        """Begin the results of a model on task; returns its number of parameters."""
+        self.task, n_params = task, sum(p.numel() for p in model.parameters())
+        self.results = {"config": asdict(self.cfg), "status": "running", "n_params": n_params, "steps_done": 0,
+                        "history": [], "train_seconds": 0.0}
+        return n_params
+
+    def reached(self, acc):
+        return self.cfg.target_acc > 0 and acc >= self.cfg.target_acc
+
+    def resume(self, state):
+        """Load the checkpoint into state (name -> object with load_state_dict) and the results; returns the
+        first step to run (past the end when the run had already stopped early)."""
+        self.t_interval = time.time()
+        if self.ckpt:
+            for name, obj in state.items():
+                obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
+            self.results = self.ckpt["results"]
+            self.log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {self.cfg.steps:,}")
+        history = self.results["history"]
+        return self.cfg.steps + 1 if history and self.reached(history[-1]["acc"]) else self.results["steps_done"] + 1
+
+    def evaluation(self, step, loss_sum, model, lr):
+        """Evaluate at step, record it in the history and print the progress line. A non-finite mean loss
+        since the last evaluation saves the results (status nonfinite) and raises NonFiniteLoss."""
+        r, cfg = self.results, self.cfg
+        n = step - r["steps_done"]  # steps since the last evaluation
+        train_loss, dt = (loss_sum / n).item(), time.time() - self.t_interval
+        r["train_seconds"] += dt
+        if not math.isfinite(train_loss):
+            self.finish("nonfinite")
+            raise NonFiniteLoss(f"the training loss became {train_loss} between steps {step - n + 1} and {step} "
+                                f"(lr={cfg.lr:g}); {self.dir} keeps config.json, results.json and the last good checkpoint")
+        ev = evaluate(model, self.task.eval)
+        r["history"].append({"step": step, "loss": round(train_loss, 5), "acc": ev["acc"],
+                             "p_answer": round(ev["p_answer"], 5), "lr": lr})
+        r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
+                 best_acc=max(ev["acc"], r.get("best_acc", 0.0)))
+        self.log(f"step {step:>6}/{cfg.steps} | loss {train_loss:.4f} | acc {ev['acc']:.4f} | p(answer) "
+                 f"{ev['p_answer']:.3f} | {1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}")
+        return ev
+
+    def checkpoint(self, step, state):
+        """model.pt with everything the loop carries from one step to the next (state: name -> object with
+        state_dict), and results.json."""
+        saved = {name: obj.state_dict() for name, obj in state.items() if name != "batches"}
+        torch.save({"config": asdict(self.cfg), "vocab_size": self.task.vocab_size, "step": step, **saved,
+                    **state["batches"].state_dict(), "results": self.results}, self.path("model.pt"))
+        write_json(self.path("results.json"), self.results)
+        self.t_interval = time.time()
+
+    def finish(self, status):
+        r = self.results
+        r.update(status=status, train_seconds=round(r["train_seconds"], 2),
+                 ms_per_step=round(1000 * r["train_seconds"] / max(1, r["steps_done"]), 3))
+        write_json(self.path("results.json"), r)
+
+    def complete(self, model, ev):
+        """The final files: the weights without the resume state, the results with a few wrong answers."""
+        r = self.results
+        torch.save({"config": asdict(self.cfg), "vocab_size": self.task.vocab_size, "step": r["steps_done"],
+                    "model": model.state_dict()}, self.path("model.pt"))
+        r["wrong_examples"] = wrong_examples(self.task, self.task.eval, ev["preds"])
+        self.finish("target reached" if self.reached(ev["acc"]) else "completed")
+        self.log(f"done ({r['status']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
+                 f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} | "
+                 f"{r['n_params']:,} parameters | {self.dir}")
+        for line in r["wrong_examples"]:
+            self.log("  wrong: " + line)
 
 
 FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
@@ -1519,8 +1586,7 @@ def bench_steps(cfg, n=40, rounds=4, log=print):
     task, and the ratio to attention's. A benchmark that prints, not a test: timings are noisy, so the
     architectures take turns over `rounds` rounds of n // rounds steps (after one uncounted step that
     refills the caches) and the median round counts."""
-    device = pick_device(cfg.device)
-    kernels.set_compile(cfg.compile)
+    device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     ids, q = task.train.input_ids.to(device), task.train.pos["query"].to(device)
     ans, rounds = task.train.answers.to(device), max(1, min(rounds, n))
@@ -1530,16 +1596,15 @@ def bench_steps(cfg, n=40, rounds=4, log=print):
     runs = {}
     for arch in ARCHS:
         model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
-        runs[arch] = model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
-                                              fused=device.startswith(("cpu", "cuda")))
+        runs[arch] = model, adamw(model, 1e-4, device)
 
     def steps(arch, k):  # the first step of a turn refills the caches and is not counted
-        model, opt = runs[arch]
+        model, optimizer = runs[arch]
         for i in range(k + 1):
             if i == 1:
                 sync()
                 t0 = time.perf_counter()
-            train_step(model, opt, ids, q, ans)
+            train_step(model, optimizer, ids, q, ans)
         sync()
         return 1000 * (time.perf_counter() - t0) / k
     samples = {arch: [] for arch in ARCHS}
@@ -1617,7 +1682,6 @@ def main(argv=None):
     bench = args.pop("bench", False)
     try:
         if bench:
-            torch.set_flush_denormal(True)
             bench_steps(Config(**args))
             return 0
         if "plot" in args:
@@ -1636,8 +1700,7 @@ def main(argv=None):
         if "load" in args:
             run_dir = args.pop("load")
             cfg, model = load_run(run_dir, expect=args)
-            model.to(pick_device(cfg.device))
-            kernels.set_compile(cfg.compile)
+            model.to(setup(cfg))
             task = make_task(cfg, train=False)
             ev = evaluate(model, task.eval)
             print(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, "

@@ -7,7 +7,7 @@ definition you learn from) beside a fast form that gives the same outputs and gr
     long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 128), rfft / irfft (n = 2L)
     based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
     ssm_kernel          H3's S4D kernel by complex powers      real arithmetic, baby-step giant-step powers
-    selective_scan      Mamba-1 loop indexing (B, L, D, N)     per-step loop on (B, D, N) slices
+    selective_scan      Mamba-1 loop indexing (B, L, E, N)     per-step loop on (B, E, N) slices
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
 
 Layouts are (B, L, C), as in the mixers. All functions are differentiable: plain autograd, except the
@@ -227,27 +227,27 @@ def ssm_kernel(dt, A, B, C, L):
 #     s_t = exp(Δ_t A) ⊙ s_{t-1} + Δ_t B_t x_t,    y_t = C_t · s_t + D x_t
 
 def selective_scan_ref(x, delta, A, B, C, D):
-    """x, delta (B, L, D); A (D, N); B, C (B, L, N); D (D,) -> y (B, L, D). As in mamba-minimal."""
-    dA = torch.exp(delta[..., None] * A)                        # (B, L, D, N)
-    dBx = delta[..., None] * B[:, :, None, :] * x[..., None]    # (B, L, D, N)
+    """x, delta (B, L, E); A (E, N); B, C (B, L, N); D (E,) -> y (B, L, E). As in mamba-minimal."""
+    dA = torch.exp(delta[..., None] * A)                        # (B, L, E, N)
+    dBx = delta[..., None] * B[:, :, None, :] * x[..., None]    # (B, L, E, N)
     s = torch.zeros_like(dA[:, 0])
     ys = []
     for t in range(x.shape[1]):
         s = dA[:, t] * s + dBx[:, t]
-        ys.append((s * C[:, t, None, :]).sum(-1))               # (B, D)
+        ys.append((s * C[:, t, None, :]).sum(-1))               # (B, E)
     return torch.stack(ys, dim=1) + x * D
 
 
 def selective_scan(x, delta, A, B, C, D):
-    """The same, one time step at a time on (B, D, N) slices: the decay, the input and the readout are
-    formed inside the loop, so no (B, L, D, N) tensor is ever built, in forward or in backward. The
+    """The same, one time step at a time on (B, E, N) slices: the decay, the input and the readout are
+    formed inside the loop, so no (B, L, E, N) tensor is ever built, in forward or in backward. The
     loop walks unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero tensor per
     step in backward)."""
-    s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])                  # (B, D, N)
+    s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])                  # (B, E, N)
     ys = []
     for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), (delta * x).unbind(1), B.unbind(1), C.unbind(1)):
         s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B
-        ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, D)
+        ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, E)
     return torch.stack(ys, dim=1) + x * D
 
 
@@ -300,11 +300,11 @@ def delta_rule(q, k, v, beta, chunk=64):
 # Benchmark: python kernels.py
 
 def _inputs(op, B, L, d, gen):
-    r, D = (lambda *s: torch.randn(*s, generator=gen)), 2 * d
-    return {"short_conv": lambda: [r(B, L, D), r(D, 4), r(D)], "long_conv": lambda: [r(B, L, d), r(d, L) * 0.1],
+    r, E = (lambda *s: torch.randn(*s, generator=gen)), 2 * d
+    return {"short_conv": lambda: [r(B, L, E), r(E, 4), r(E)], "long_conv": lambda: [r(B, L, d), r(d, L) * 0.1],
             "based_attention": lambda: [r(B, L, 8), r(B, L, 8), r(B, L, d)],
-            "selective_scan": lambda: [r(B, L, D), F.softplus(r(B, L, D)), -torch.rand(D, 16, generator=gen) * 4,
-                                       r(B, L, 16), r(B, L, 16), r(D)],
+            "selective_scan": lambda: [r(B, L, E), F.softplus(r(B, L, E)), -torch.rand(E, 16, generator=gen) * 4,
+                                       r(B, L, 16), r(B, L, 16), r(E)],
             "delta_rule": lambda: [F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1), r(B, L, d),
                                    torch.rand(B, L, generator=gen)]}[op]()
 
@@ -316,20 +316,20 @@ COMPILABLE = ("short_conv", "based_attention")
 
 
 def _time_fwd_bwd(fn, args, device, reps):
+    """(median ms of reps forward + backward calls, seconds of the first call, which warms up or compiles)."""
     args = [a.detach().to(device).requires_grad_(a.is_floating_point()) for a in args]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def once():
+    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device, lambda: None)
+    times = []
+    for i in range(reps + 1):
         sync()
         t0 = time.perf_counter()
         y = fn(*args)
         y.backward(torch.ones_like(y))
         sync()
-        return time.perf_counter() - t0
-    if once() > 1.0:
-        reps = min(reps, 3)  # the slow references (seconds a call) need no more for a ratio
-    times = sorted(once() for _ in range(reps))
-    return times[len(times) // 2] * 1000 if times else 0.0   # the median call: robust to a busy machine
+        times.append(time.perf_counter() - t0)
+        if i == 0 and times[0] > 1.0:
+            reps = min(reps, 3)  # the slow references (seconds a call) need no more for a ratio
+    return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]   # the median: robust to a busy machine
 
 
 def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64)), compile=True):
@@ -340,24 +340,18 @@ def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64)), compi
     for op, (ref, fast) in PAIRS.items():
         for B, L, d in shapes:
             args = _inputs(op, B, L, d, gen)
-            t_ref = _time_fwd_bwd(ref, args, device, reps)
-            set_compile(False)
-            t_fast = _time_fwd_bwd(fast, args, device, reps)
-            comp = ""
+            t_ref, t_fast = _time_fwd_bwd(ref, args, device, reps)[0], _time_fwd_bwd(fast, args, device, reps)[0]
+            line = f"{op:<16}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x"
             if compile and op in COMPILABLE:
                 set_compile(True)
-                t0 = time.perf_counter()
-                _time_fwd_bwd(fast, args, device, 0)   # the first call compiles
-                t_compile = time.perf_counter() - t0
-                t_comp = _time_fwd_bwd(fast, args, device, reps)
+                t_comp, t_first = _time_fwd_bwd(fast, args, device, reps)
                 set_compile(False)
-                comp = f"{t_comp:10.2f}{t_ref / t_comp:7.1f}x{t_compile:11.1f}"
-            print(f"{op:<16}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x{comp}")
+                line += f"{t_comp:10.2f}{t_ref / t_comp:7.1f}x{t_first:11.1f}"
+            print(line)
 
 
 if __name__ == "__main__":
     torch.set_flush_denormal(True)
     use_compile = "--no-compile" not in sys.argv  # python kernels.py --no-compile: eager only
-    benchmark("cpu", compile=use_compile)
-    if torch.cuda.is_available():
-        benchmark("cuda", reps=20, compile=use_compile)
+    for device in ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available():
+        benchmark(device, reps=11 if device == "cpu" else 20, compile=use_compile)

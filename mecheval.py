@@ -1,28 +1,21 @@
 """
 mecheval: mechanistic evaluation of Transformers and state space models, in one readable file.
 
-A minimal PyTorch reimplementation of
-    A. Arora, N. Rathi, N. Selvam, R. Csordás, D. Jurafsky, C. Potts,
-    "Mechanistic evaluation of Transformers and state space models", arXiv 2505.15105.
-The paper trains tiny 2-layer models on two recall tasks and asks not only *whether* they recall but
-*how*: by induction (the answer is stored at the value token) or by direct retrieval (computed at the
-query). This file holds the tasks, the seven models, the training loop, the interchange interventions
-that read a model's mechanism, and the sweeps; kernels.py holds the fast forms of the expensive ops.
+A minimal PyTorch reimplementation of A. Arora, N. Rathi, N. Selvam, R. Csordás, D. Jurafsky, C. Potts,
+"Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105). The paper trains tiny
+2-layer models on two recall tasks and asks not only *whether* they recall but *how*: by induction (the
+answer is stored at the value token) or by direct retrieval (computed at the query).
 
-Run (CPU or one GPU):
-    python mecheval.py --arch attention --task ar                   # the paper's AR, d=64, 2 layers
-    python mecheval.py --arch attention --task atr --atr_setting easy
-    python mecheval.py --arch based --task ar --n_pairs 4 --n_keys 16 --n_values 16 --d_model 48 \\
-        --n_train 50000 --batch_size 256 --lr 3e-3 --steps 3000 --target_acc 0.95   # ~30 s on a CPU
-    python mecheval.py --load runs/ar_attention_d64_l2_lr0.001_s0  # re-evaluate a saved run
-
-Glossary of shape letters:
-    B batch, T sequence length, d model width (d_model), V vocabulary size, N documents in a split,
-    P key-value pairs in an AR document; in the Mamba mixer and the scans D = inner channels (2d) and
-    N = state size, H = heads (H3).
+    python mecheval.py --arch based --task ar        # the paper's AR at d=64: train, then read the mechanism
+    python mecheval.py --load runs/ar_based_d64_l2_lr0.001_s0 --analyze    # re-evaluate a saved run
 
 Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> interchange
 interventions; then the machinery: validation, run folders, sweeps and presets, plots, benchmark, CLI.
+kernels.py holds the fast forms of the expensive sequence operations, each beside its plain definition.
+
+Shape letters, one meaning each: B batch, L sequence length, d model width, V vocabulary, M documents in
+a split, P key-value pairs of an AR document, E inner channels of Mamba (2d), N state size of an SSM,
+H heads of H3. The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, not sizes.
 """
 import argparse
 import json
@@ -135,17 +128,17 @@ class Config:
 
 @dataclass
 class Split:
-    input_ids: torch.Tensor  # (N, T) token ids, PAD-padded on the right
-    labels: torch.Tensor     # (N, T) -100 except labels[n, query] = answer
-    pos: dict                # name -> (N,) positions: key, value, next_key, divider, query, answer
-    lengths: torch.Tensor    # (N,) document lengths before padding
+    input_ids: torch.Tensor  # (M, L) token ids, PAD-padded on the right
+    labels: torch.Tensor     # (M, L) -100 except labels[n, query] = answer
+    pos: dict                # name -> (M,) positions: key, value, next_key, divider, query, answer
+    lengths: torch.Tensor    # (M,) document lengths before padding
 
     def __len__(self):
         return len(self.input_ids)
 
     @property
     def answers(self):
-        return self.input_ids.gather(1, self.pos["answer"][:, None])[:, 0]  # (N,)
+        return self.input_ids.gather(1, self.pos["answer"][:, None])[:, 0]  # (M,)
 
 
 @dataclass
@@ -164,7 +157,7 @@ class Task:
 
 
 def make_split(docs, pos):
-    """A Split of documents (an (N, T) array, or token lists padded here) and their named positions
+    """A Split of documents (an (M, L) array, or token lists padded here) and their named positions
     (name -> one position per document); its only label is labels[n, query] = the answer token."""
     if isinstance(docs, np.ndarray):  # documents of one length
         ids, lengths = torch.from_numpy(docs), torch.full((len(docs),), docs.shape[1])
@@ -208,9 +201,9 @@ def make_ar(cfg, n, rng):
     query 2P+2=8, answer 2P+3=9.
     """
     P, K = cfg.n_pairs, cfg.n_keys
-    keys = sample_distinct(rng, n, P, K) + 3                     # (N, P) key ids
-    vals = sample_distinct(rng, n, P, cfg.n_values) + 3 + K      # (N, P) value ids
-    i = rng.integers(0, P, n)                                     # (N,) the queried pair
+    keys = sample_distinct(rng, n, P, K) + 3                     # (M, P) key ids
+    vals = sample_distinct(rng, n, P, cfg.n_values) + 3 + K      # (M, P) value ids
+    i = rng.integers(0, P, n)                                     # (M,) the queried pair
     rows = np.arange(n)
     ids = np.empty((n, 2 * P + 5), dtype=np.int64)
     ids[:, 0] = BOS
@@ -354,7 +347,7 @@ def make_task(cfg, train=True):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sequence mixers. Each maps the normed residual stream (B, T, d) to (B, T, d), strictly causally, and is
+# Sequence mixers. Each maps the normed residual stream (B, L, d) to (B, L, d), strictly causally, and is
 # built as Mixer(cfg, layer_idx) so that a mixer may depend on its layer (as zoology's Hybrid and BaseConv do).
 
 def register(name, lr):
@@ -390,13 +383,13 @@ class Attention(nn.Module):
         self.Wqkv = nn.Linear(d, 3 * d, bias=False)
         self.out_proj = writes_residual(nn.Linear(d, d))
 
-    def forward(self, x):                          # (B, T, d)
-        q, k, v = self.Wqkv(x).chunk(3, dim=-1)    # 3 x (B, T, d)
+    def forward(self, x):                          # (B, L, d)
+        q, k, v = self.Wqkv(x).chunk(3, dim=-1)    # 3 x (B, L, d)
         if self.reference:
-            T = x.shape[1]
-            scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, T, T)
-            mask = torch.triu(torch.full((T, T), -10000.0, device=x.device), diagonal=1)
-            o = torch.softmax(scores + mask, dim=-1) @ v             # (B, T, d)
+            L = x.shape[1]
+            scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, L, L)
+            mask = torch.triu(torch.full((L, L), -10000.0, device=x.device), diagonal=1)
+            o = torch.softmax(scores + mask, dim=-1) @ v             # (B, L, d)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(o)
@@ -573,7 +566,7 @@ class H3(nn.Module):
 
 @register("mamba", lr=3e-3)
 class Mamba(nn.Module):
-    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.py, Mamba), state N=16, expand 2,
+    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.py, Mamba), state N=16, expand 2 (E = 2d channels),
     dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
         [x | z] = h W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
         y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
@@ -584,15 +577,15 @@ class Mamba(nn.Module):
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()
         d = cfg.d_model
-        D, N, r = expand * d, d_state, math.ceil(d / 16)
+        E, N, r = expand * d, d_state, math.ceil(d / 16)
         self.d_conv = conv_width(cfg, 4)
-        self.in_proj = nn.Linear(d, 2 * D, bias=False)
-        self.conv1d = ShortConv(D, self.d_conv) if self.d_conv else nn.Conv1d(D, D, 4, groups=D, padding=3)
-        self.x_proj = nn.Linear(D, r + 2 * N, bias=False)
-        self.dt_proj = nn.Linear(r, D)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(D, 1))   # A = -[1..N]
-        self.D = nn.Parameter(torch.ones(D))
-        self.out_proj = writes_residual(nn.Linear(D, d, bias=False))
+        self.in_proj = nn.Linear(d, 2 * E, bias=False)
+        self.conv1d = ShortConv(E, self.d_conv) if self.d_conv else nn.Conv1d(E, E, 4, groups=E, padding=3)
+        self.x_proj = nn.Linear(E, r + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(r, E)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(E, 1))   # A = -[1..N]
+        self.D = nn.Parameter(torch.ones(E))
+        self.out_proj = writes_residual(nn.Linear(E, d, bias=False))
         self.reset_dt()
 
     def reset_dt(self, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
@@ -605,13 +598,13 @@ class Mamba(nn.Module):
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, h):                                               # (B, L, d)
-        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (B, L, D) each
+        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (B, L, E) each
         if self.d_conv:
             x = self.conv1d(x)
         x = F.silu(x)
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
-        delta = F.softplus(self.dt_proj(delta))                          # (B, L, D)
+        delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
         y = kernels.selective_scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
         return self.out_proj(y * F.silu(z))
 
@@ -669,7 +662,7 @@ class Block(nn.Module):
         has_mlp = getattr(mixer_cls, "has_mlp", True)
         self.norm2, self.mlp = (nn.LayerNorm(cfg.d_model), MLP(cfg.d_model)) if has_mlp else (None, None)
 
-    def forward(self, r):                # (B, T, d) -> (B, T, d)
+    def forward(self, r):                # (B, L, d) -> (B, L, d)
         r = r + self.mixer(self.norm1(r))
         if self.mlp is not None:
             r = r + self.mlp(self.norm2(r))
@@ -684,7 +677,7 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
-    def hidden(self, ids):               # (B, T) -> (B, T, d), after the final LayerNorm
+    def hidden(self, ids):               # (B, L) -> (B, L, d), after the final LayerNorm
         x = self.embed(ids)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
@@ -695,7 +688,7 @@ class LanguageModel(nn.Module):
     def head(self, h):                   # (..., d) -> (..., V), tied to the token embedding
         return h @ self.embed.weight.T
 
-    def forward(self, ids):              # (B, T) -> logits (B, T, V)
+    def forward(self, ids):              # (B, L) -> logits (B, L, V)
         return self.head(self.hidden(ids))
 
 
@@ -737,15 +730,15 @@ class NonFiniteLoss(RuntimeError):
 
 
 def answer_logits(model, ids, query):
-    """Logits (B, V) at the query position of each document: ids (B, T), query (B,). Computing the
-    head only where the loss is read saves a (B, T, V) product."""
-    h = model.hidden(ids)                                          # (B, T, d)
+    """Logits (B, V) at the query position of each document: ids (B, L), query (B,). Computing the
+    head only where the loss is read saves a (B, L, V) product."""
+    h = model.hidden(ids)                                          # (B, L, d)
     return model.head(h[torch.arange(len(ids), device=ids.device), query])
 
 
 @torch.no_grad()
 def evaluate(model, split, batch_size=512):
-    """Answer accuracy and mean answer probability on a split; also the predictions (N,)."""
+    """Answer accuracy and mean answer probability on a split; also the predictions (M,)."""
     was_training, device = model.training, next(model.parameters()).device
     model.eval()
     preds, probs = [], []
@@ -947,7 +940,7 @@ def model_cells(model):
 
 @contextmanager
 def hooks(model, edits):
-    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, T, d; conv_output has
+    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, L, d; conv_output has
     the conv's channels) and returns its replacement, or None to leave it. Hooks go on exit, even on error."""
     handles = []
     try:
@@ -1014,9 +1007,9 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
     split = task.eval if split is None else split
     was_training = model.training
     model.eval()
-    T = int(split.lengths.max())
-    clean = split.input_ids[:, :T].to(device)
-    base = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :T].to(device)
+    L = int(split.lengths.max())
+    clean = split.input_ids[:, :L].to(device)
+    base = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :L].to(device)
     query, answer = split.pos["query"].to(device), split.answers.to(device)
     pos = {k: split.pos[k].to(device) for k in POSITIONS}
     rows = torch.arange(len(split), device=device)
@@ -1035,7 +1028,8 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
             with hooks(model, {cell: write_at(pos[k], clean_acts[cell + (k,)])}):
                 p_patched = p_answer(base)
             valid = (pos[k] >= 0).float()
-            stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1) for p in (p_clean, p_corrupt, p_patched)]))
+            stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1)
+                                      for p in (p_clean, p_corrupt, p_patched)]))
     model.train(was_training)
     grid = [{"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c, "p_patched": r,
              "attribution": (r - c) / (o - c) if o - c > 0.01 else None}
@@ -1160,10 +1154,10 @@ class Run:
 
     def start(self, model, task):
         """Begin the results of a model on task; returns its number of parameters."""
-        self.task, n_params = task, sum(p.numel() for p in model.parameters())
-        self.results = {"config": asdict(self.cfg), "status": "running", "n_params": n_params, "steps_done": 0,
-                        "history": [], "train_seconds": 0.0}
-        return n_params
+        self.task, n = task, sum(p.numel() for p in model.parameters())
+        self.results = dict(config=asdict(self.cfg), status="running", n_params=n, steps_done=0, history=[],
+                            train_seconds=0.0)
+        return n
 
     def reached(self, acc):
         return self.cfg.target_acc > 0 and acc >= self.cfg.target_acc
@@ -1360,10 +1354,7 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
     per width (highest final accuracy, then mean answer probability), and write summary.md and
     summary.json to base.out_dir: accuracy beside the paper's, and the last layer's block_input
     attribution at value / key / query of each best run. Returns the summary dict."""
-    cfgs = sweep_configs(base, widths, lrs)
-    log(f"sweep: {base.arch} on {base.task}, widths {list(widths)} x learning rates "
-        f"{sorted({c.lr for c in cfgs})}: {len(cfgs)} runs in {base.out_dir}")
-    return summarise_sweep(base, widths, cfgs, run_all(cfgs, jobs, log), log)
+    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log)
 
 
 def sweep_configs(base, widths, lrs=None):
@@ -1396,33 +1387,23 @@ def run_all(cfgs, jobs=1, log=print):
         return [f.result() for f in futures]
 
 
-def summarise_sweep(base, widths, cfgs, results, log=print):
-    """The best run per width of one sweep, written to base.out_dir/summary.md and summary.json."""
+def best_rows(label, cfgs, results, widths):
+    """The best run per width of one sweep as summary rows: accuracy beside the paper's, the attribution
+    of the last layer's block_input, and the accuracy of every learning rate tried."""
     rows = []
     for d in widths:
         runs = [(cfg, r) for cfg, r in zip(cfgs, results) if cfg.d_model == d]
         cfg, best = max(runs, key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
-        rows.append({"task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": cfg.lr, "run": cfg.run_name,
-                     "acc": 100 * best.get("final_acc", 0.0), "paper_acc": paper_acc(cfg),
+        rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": cfg.lr,
+                     "run": cfg.run_name, "acc": 100 * best.get("final_acc", 0.0), "paper_acc": paper_acc(cfg),
                      "attribution": last_layer_reads(best.get("mechanism")), "steps": best.get("steps_done"),
-                     "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False), "train_seconds": best.get("train_seconds"),
+                     "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False),
+                     "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
         if "test_acc" in best:  # the generalisation split: its test documents beside the dev ones
             rows[-1].update(test_acc=100 * best["test_acc"], paper_test_acc=paper_acc(cfg, test=True),
                             test_attribution=last_layer_reads(best.get("mechanism_test")))
-    summary = {"task": base.task, "arch": base.arch, "atr_setting": base.atr_setting, "rows": rows}
-    lines = [f"{base.arch} on {base.task}: best learning rate per width", ""] + md_table(
-        ("d", "best lr", "accuracy %", "paper %", "value", "key", "query", "verdict"),
-        [(r["d_model"], f"{r['best_lr']:g}", r["acc"], r["paper_acc"], *r["attribution"].values(), r["verdict"])
-         for r in rows])
-    return save_summary(base.out_dir, summary, lines + generalisation_lines(rows), log)
-
-
-def md_table(header, rows):
-    """A markdown table as lines: None prints as -, a float with two decimals."""
-    cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
-        ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
+    return rows
 
 
 def last_layer_reads(mech):
@@ -1433,29 +1414,72 @@ def last_layer_reads(mech):
     return {k: attr.get(k) for k in ("value", "key", "query")}
 
 
-def generalisation_lines(rows):
-    """Rows of the generalisation split as a table: dev -> test accuracy beside the paper's, and the last
-    layer's block_input attribution on each split."""
-    rows = [r for r in rows if "test_acc" in r]
-    return ["", "generalisation split: dev -> test", ""] + md_table(
+def seed_spread(rows):
+    """Rows that differ only in their seed (labels ending _s0, _s1, ...), per width: mean and sample std of
+    the accuracy and of the value / query attribution."""
+    groups = {}
+    for r in rows:
+        stem, _, seed = r["label"].rpartition("_s")
+        groups.setdefault((stem if stem and seed.isdigit() else r["label"], r["d_model"]), []).append(r)
+    spread = []
+    for (group, d), rs in groups.items():
+        if len(rs) > 1:
+            spread.append({"group": group, "d_model": d, "n": len(rs)})
+            for k, v in (("", [r["acc"] for r in rs]), *((f"{k}_", [r["attribution"][k] for r in rs])
+                                                         for k in ("value", "query"))):
+                v = [x for x in v if x is not None]
+                spread[-1][f"{k}mean"], spread[-1][f"{k}std"] = \
+                    (np.mean(v).item(), np.std(v, ddof=1).item()) if len(v) > 1 else (None, None)
+    return spread
+
+
+def md_table(header, rows):
+    """A markdown table as lines: None prints as -, a float with two decimals."""
+    cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
+
+
+def save_summary(out_dir, title, rows, log=print):
+    """summary.json and the markdown tables summary.md in out_dir (also logged): the best run per width,
+    the spread over seeds, and the generalisation split's dev -> test. Returns the summary dict."""
+    spread, gen = seed_spread(rows), [r for r in rows if "test_acc" in r]
+    lines = [f"{title}: best learning rate per width", ""] + md_table(
+        ("run", "d", "best lr", "steps", "accuracy %", "paper %", "value", "key", "query", "verdict"),
+        [(r["label"], r["d_model"], f"{r['best_lr']:g}", f"{r['steps'] or 0:,}", r["acc"], r["paper_acc"],
+          *r["attribution"].values(), r["verdict"]) for r in rows])
+    pm = lambda s, k: "-" if s[f"{k}mean"] is None else f"{s[f'{k}mean']:.2f} ± {s[f'{k}std']:.2f}"
+    lines += ["", *md_table(("group", "d", "accuracy %", "value", "query", "seeds"),
+                            [(s["group"], s["d_model"], pm(s, ""), pm(s, "value_"), pm(s, "query_"), s["n"])
+                             for s in spread])] if spread else []
+    num = lambda v: "-" if v is None else f"{v:.2f}"
+    lines += ["", "generalisation split: dev -> test", "", *md_table(
         ("run", "d", "dev %", "paper", "test %", "paper", "value", "key", "query"),
-        [(r.get("label", r["run"]), r["d_model"], r["acc"], r["paper_acc"], r["test_acc"], r["paper_test_acc"],
-          *(f"{_num(r['attribution'][k])} -> {_num(r['test_attribution'][k])}" for k in ("value", "key", "query")))
-         for r in rows]) if rows else []
-
-
-def _num(v):
-    return "-" if v is None else f"{v:.2f}"
-
-
-def save_summary(out_dir, summary, lines, log):
-    """summary.json and the markdown table summary.md in out_dir; the table is also logged."""
+        [(r["label"], r["d_model"], r["acc"], r["paper_acc"], r["test_acc"], r["paper_test_acc"],
+          *(f"{num(r['attribution'][k])} -> {num(r['test_attribution'][k])}" for k in ("value", "key", "query")))
+         for r in gen])] if gen else []
+    summary = {"title": title, "rows": rows, "spread": spread}
     os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "summary.json"), summary)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log("\n".join(lines))
     return summary
+
+
+def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print):
+    """Sweep each (label, config) entry over widths x lrs, all runs in one pool of jobs; then summary.md /
+    summary.json in out_dir over all entries, and one in each entry's own folder."""
+    grids = [sweep_configs(cfg, widths, lrs) for _, cfg in entries]
+    log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
+        f"{sorted({c.lr for g in grids for c in g})}, in {out_dir}")
+    results, rows = run_all([c for g in grids for c in g], jobs, log), []
+    for (label, cfg), grid in zip(entries, grids):
+        res, results = results[:len(grid)], results[len(grid):]
+        rows += best_rows(label, grid, res, widths)
+        if cfg.out_dir != out_dir:
+            save_summary(cfg.out_dir, label, rows[-len(widths):], log=lambda s: None)
+    return save_summary(out_dir, title, rows, log)
 
 
 def presets():
@@ -1487,48 +1511,18 @@ PRESET_GRID = {"reduced": ((64,), (0.0,))}
 
 
 def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
-    """Every sweep of a preset into out_dir/<label>/ (all runs in one pool of jobs), then one summary.md /
-    summary.json over all of them; entries that differ only in their seed are also given as mean ± std.
-    args: the Config settings given by the user (a dict), under the preset's own; settings left out
-    resolve per entry (an ATR entry gets ATR's schedule, not AR's)."""
+    """Every sweep of a preset, each into out_dir/<label>/, with one summary over all of them (entries that
+    differ only in their seed also as mean ± std). args: the Config settings given by the user (a dict),
+    under the preset's own; settings left out resolve per entry (an ATR entry gets ATR's schedule)."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
-    base = Config(**args)
+    out_dir = Config(**args).out_dir
     widths = widths or PRESET_GRID.get(name, (PAPER_WIDTHS, None))[0]
     lrs = lrs or PRESET_GRID.get(name, (None, None))[1]
-    entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(base.out_dir, label), "run_name": ""}))
+    entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))
                for label, settings in table[name]]
-    grids = [sweep_configs(cfg, widths, lrs) for _, cfg in entries]
-    log(f"preset {name}: {len(entries)} sweeps, {sum(map(len, grids))} runs, widths {list(widths)}, in {base.out_dir}")
-    results = run_all([c for g in grids for c in g], jobs, log)
-    rows = []
-    for (label, cfg), grid in zip(entries, grids):
-        res, results = results[:len(grid)], results[len(grid):]
-        for row in summarise_sweep(cfg, widths, grid, res, log=lambda s: None)["rows"]:
-            rows.append({"label": label, "group": label.rsplit("_s", 1)[0] if name == "seeds" else label,
-                         **row})
-    spread = []  # entries that differ only in their seed: mean and sample std of accuracy and attribution
-    for group in dict.fromkeys(r["group"] for r in rows):
-        for d in widths:
-            rs = [r for r in rows if r["group"] == group and r["d_model"] == d]
-            if len(rs) > 1:
-                spread.append({"group": group, "d_model": d, "n": len(rs)})
-                for k, v in (("", [r["acc"] for r in rs]), *((f"{k}_", [r["attribution"][k] for r in rs])
-                                                             for k in ("value", "query"))):
-                    v = [x for x in v if x is not None]
-                    spread[-1][f"{k}mean"], spread[-1][f"{k}std"] = \
-                        (np.mean(v).item(), np.std(v, ddof=1).item()) if len(v) > 1 else (None, None)
-    summary = {"preset": name, "rows": rows, "spread": spread}
-    lines = [f"preset {name}: best learning rate per width", ""] + md_table(
-        ("run", "d", "best lr", "steps", "accuracy %", "paper %", "value", "key", "query", "verdict"),
-        [(r["label"], r["d_model"], f"{r['best_lr']:g}", f"{r['steps'] or 0:,}", r["acc"], r["paper_acc"],
-          *r["attribution"].values(), r["verdict"]) for r in rows])
-    pm = lambda s, k: "-" if s[f"{k}mean"] is None else f"{s[f'{k}mean']:.2f} ± {s[f'{k}std']:.2f}"
-    lines += ["", *md_table(("group", "d", "accuracy %", "value", "query", "seeds"),
-                            [(s["group"], s["d_model"], pm(s, ""), pm(s, "value_"), pm(s, "query_"), s["n"])
-                             for s in spread])] if spread else []
-    return save_summary(base.out_dir, summary, lines + generalisation_lines(rows), log)
+    return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log)
 
 
 def plot(folder, log=print):
@@ -1549,23 +1543,19 @@ def plot(folder, log=print):
         rows = json.load(f)["rows"]
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
-        groups.setdefault(r.get("label", r["arch"]), []).append(r)
+        groups.setdefault(r["label"], []).append(r)
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, rs in groups.items():
         (line,) = ax.plot([r["d_model"] for r in rs], [r["acc"] for r in rs], "o-", label=label)
         paper = [(r["d_model"], r["paper_acc"]) for r in rs if r["paper_acc"] is not None]
-        if paper:
-            ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6)
+        ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6) if paper else None
     ticks = sorted({r["d_model"] for r in rows})
     ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
            title="accuracy by width (x, dashed: the paper)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "accuracy_by_width.png"), dpi=120)
     best = {label: max(rs, key=lambda r: (r["acc"], r["d_model"])) for label, rs in groups.items()}
-    gen = any("test_acc" in r for r in rows)
-    splits = [("attribution", "dev" if gen else "eval")] + [("test_attribution", "test")] * gen
-    fig, axes = plt.subplots(1, len(splits), figsize=(max(4, 1.5 + len(best)) * len(splits), 3.5), squeeze=False)
+    splits = [("attribution", "eval")] + [("test_attribution", "test")] * any("test_acc" in r for r in rows)
+    fig2, axes = plt.subplots(1, len(splits), figsize=(max(4, 1.5 + len(best)) * len(splits), 3.5), squeeze=False)
     for ax, (key, name) in zip(axes[0], splits):
         for j, position in enumerate(("value", "key", "query")):
             values = [(r.get(key) or {}).get(position) or 0.0 for r in best.values()]
@@ -1575,45 +1565,41 @@ def plot(folder, log=print):
                ylim=(min(-0.1, ax.get_ylim()[0]), max(1.1, ax.get_ylim()[1])))
         ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "mechanism.png"), dpi=120)
+    for fig, name in ((fig, "accuracy_by_width.png"), (fig2, "mechanism.png")):
+        fig.tight_layout()
+        fig.savefig(os.path.join(folder, name), dpi=120)
+        log(f"wrote {os.path.join(folder, name)}")
     plt.close("all")
-    log(f"wrote {os.path.join(folder, 'accuracy_by_width.png')} and {os.path.join(folder, 'mechanism.png')}")
 
 
 def bench_steps(cfg, n=40, rounds=4, log=print):
     """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes on cfg's
     task, and the ratio to attention's. A benchmark that prints, not a test: timings are noisy, so the
-    architectures take turns over `rounds` rounds of n // rounds steps (after one uncounted step that
+    architectures take turns over `rounds` rounds of n // rounds steps (each after one uncounted step that
     refills the caches) and the median round counts."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
-    ids, q = task.train.input_ids.to(device), task.train.pos["query"].to(device)
-    ans, rounds = task.train.answers.to(device), max(1, min(rounds, n))
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
+    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device[:4], lambda: None)
+    rounds, k = max(1, min(rounds, n)), max(1, n // max(1, min(rounds, n)))
     log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}, "
-        f"median of {rounds} interleaved rounds of {max(1, n // rounds)} steps")
-    runs = {}
-    for arch in ARCHS:
-        model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
-        runs[arch] = model, adamw(model, 1e-4, device)
+        f"median of {rounds} interleaved rounds of {k} steps")
+    models = {arch: build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
+              for arch in ARCHS}
+    optimizers = {arch: adamw(model, 1e-4, device) for arch, model in models.items()}
 
-    def steps(arch, k):  # the first step of a turn refills the caches and is not counted
-        model, optimizer = runs[arch]
+    def ms_per_step(arch, k):
         for i in range(k + 1):
-            if i == 1:
+            if i == 1:  # the first step is not counted
                 sync()
                 t0 = time.perf_counter()
-            train_step(model, optimizer, ids, q, ans)
+            train_step(models[arch], optimizers[arch], *batch)
         sync()
         return 1000 * (time.perf_counter() - t0) / k
-    samples = {arch: [] for arch in ARCHS}
     for arch in ARCHS:
-        steps(arch, 2)  # warm-up (and compilation), not counted
-    for _ in range(rounds):
-        for arch in ARCHS:
-            samples[arch].append(steps(arch, max(1, n // rounds)))
-    times = {arch: sorted(s)[len(s) // 2] for arch, s in samples.items()}
+        ms_per_step(arch, 2)  # warm-up (and compilation)
+    samples = [[ms_per_step(arch, k) for arch in ARCHS] for _ in range(rounds)]
+    times = {arch: sorted(s)[len(s) // 2] for arch, s in zip(ARCHS, zip(*samples))}
     for arch, t in times.items():
         log(f"{arch:<10} {t:8.2f} ms/step {t / times['attention']:6.2f}x attention")
     return times

@@ -315,21 +315,23 @@ PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref
 COMPILABLE = ("short_conv", "based_attention")
 
 
-def _time_fwd_bwd(fn, args, device, reps):
-    """(median ms of reps forward + backward calls, seconds of the first call, which warms up or compiles)."""
-    args = [a.detach().to(device).requires_grad_(a.is_floating_point()) for a in args]
-    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device, lambda: None)
+def timeit(fn, device="cpu", reps=11):
+    """(median ms of reps calls of fn, seconds of the first call, which warms up or compiles). The median
+    is robust to a busy machine; a call of over a second (a slow reference) is repeated 3 times at most."""
+    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device[:4], lambda: None)
     times = []
-    for i in range(reps + 1):
+    while len(times) < 1 + (min(reps, 3) if times and times[0] > 1.0 else reps):
         sync()
         t0 = time.perf_counter()
-        y = fn(*args)
-        y.backward(torch.ones_like(y))
+        fn()
         sync()
         times.append(time.perf_counter() - t0)
-        if i == 0 and times[0] > 1.0:
-            reps = min(reps, 3)  # the slow references (seconds a call) need no more for a ratio
-    return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]   # the median: robust to a busy machine
+    return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]
+
+
+def _fwd_bwd(fn, args, device):
+    args = [a.detach().to(device).requires_grad_(a.is_floating_point()) for a in args]
+    return lambda: fn(*args).sum().backward()
 
 
 def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64)), compile=True):
@@ -340,11 +342,12 @@ def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64)), compi
     for op, (ref, fast) in PAIRS.items():
         for B, L, d in shapes:
             args = _inputs(op, B, L, d, gen)
-            t_ref, t_fast = _time_fwd_bwd(ref, args, device, reps)[0], _time_fwd_bwd(fast, args, device, reps)[0]
+            t_ref, t_fast = timeit(_fwd_bwd(ref, args, device), device, reps)[0], \
+                timeit(_fwd_bwd(fast, args, device), device, reps)[0]
             line = f"{op:<16}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x"
             if compile and op in COMPILABLE:
                 set_compile(True)
-                t_comp, t_first = _time_fwd_bwd(fast, args, device, reps)
+                t_comp, t_first = timeit(_fwd_bwd(fast, args, device), device, reps)
                 set_compile(False)
                 line += f"{t_comp:10.2f}{t_ref / t_comp:7.1f}x{t_first:11.1f}"
             print(line)

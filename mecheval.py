@@ -40,11 +40,7 @@ import kernels
 PAD, BOS, EOS = 0, 1, 2   # special tokens shared by both tasks
 MAX_LEN = 1024            # longest document (the paper's l_max and position-table size)
 TASKS = ("ar", "atr")
-ATR_SETTINGS = {          # name -> (L = longest rule body + 1, number of terminals |Σ|)
-    "easy": (5, 20),
-    "medium": (10, 20),
-    "8192": (5, 8192),
-}
+ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (L = longest rule body + 1, |Σ| terminals)
 PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
 ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
 DEFAULT_LR = {}  # name -> default peak learning rate (the README says which are validated on the paper's AR)
@@ -68,7 +64,7 @@ class Config:
     n_layers: int = setting(2, "number of residual blocks")
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
     d_conv: str = setting("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
-                              "base_conv 1-4 or long; auto = the architecture's own")
+                                  "base_conv 1-4 or long; auto = the architecture's own")
     compile: bool = setting(False, "torch.compile the loop-free kernels (short conv, Based); eager on failure")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
@@ -80,7 +76,7 @@ class Config:
     eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
     # the mechanism analysis after training
-    analyze: bool = setting(True, "run the interchange-intervention grid after training (with --load: on the saved model)")
+    analyze: bool = setting(True, "run the interchange-intervention grid after training, or with --load")
     corrupt: str = setting("key", "context token the analysis corrupts: key (the paper's) or value")
     # AR
     n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
@@ -89,7 +85,7 @@ class Config:
     # ATR
     atr_setting: str = setting("easy", "ATR grammar: easy (L=5, 20 terminals), medium (L=10, 20), 8192 (L=5, 8192)")
     atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: trained without the held-out "
-                                "(parent, child) pairs, evaluated on dev (allowed pairs) and test (held-out pairs)")
+                                    "(parent, child) pairs, evaluated on dev (allowed pairs) and test (held-out pairs)")
     atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
     # data sizes
     n_train: int = setting(100_032, "training documents (iterated in epochs)")
@@ -899,11 +895,9 @@ def analyse(model, task, cfg, results, log=print, intervene=True):
 # (the base run), patch one activation of the clean document (the source run) back in at one site, layer and
 # position, and measure how much of the answer's probability returns at the query:
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
-# Sites are PyTorch forward hooks on model.blocks[l] (residual stream in / out), its mixer (normed input
-# / output before the residual add) and its MLP, so every architecture exposes the same sites. One more
-# site looks inside the mixer: conv_output, the output of its short causal convolution before any
-# activation (Mamba, DeltaNet's q/k/v, Hyena's short filter, the short BaseConv layers of Based and
-# BaseConv). Patched at the next key, it shows the convolution carrying the key forward (the paper's v3).
+# Sites are forward hooks on model.blocks[l] (residual stream in / out), its mixer (normed input / output)
+# and its MLP, the same for every architecture, and on the mixer's short convolution (conv_output, before
+# any activation): patched at the next key, it shows the convolution carrying the key forward.
 
 SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
 POSITIONS = ("key", "value", "next_key", "divider", "query")
@@ -1572,36 +1566,21 @@ def plot(folder, log=print):
     plt.close("all")
 
 
-def bench_steps(cfg, n=40, rounds=4, log=print):
-    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes on cfg's
-    task, and the ratio to attention's. A benchmark that prints, not a test: timings are noisy, so the
-    architectures take turns over `rounds` rounds of n // rounds steps (each after one uncounted step that
-    refills the caches) and the median round counts."""
+def bench_steps(cfg, n=20, log=print):
+    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes on cfg's task,
+    the median of n steps after a warm-up step, and the ratio to attention's. A benchmark that prints, not
+    a test: timings are noisy, and only the medians on an otherwise idle machine mean much."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
-    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device[:4], lambda: None)
-    rounds, k = max(1, min(rounds, n)), max(1, n // max(1, min(rounds, n)))
     log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}, "
-        f"median of {rounds} interleaved rounds of {k} steps")
-    models = {arch: build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
-              for arch in ARCHS}
-    optimizers = {arch: adamw(model, 1e-4, device) for arch, model in models.items()}
-
-    def ms_per_step(arch, k):
-        for i in range(k + 1):
-            if i == 1:  # the first step is not counted
-                sync()
-                t0 = time.perf_counter()
-            train_step(models[arch], optimizers[arch], *batch)
-        sync()
-        return 1000 * (time.perf_counter() - t0) / k
+        f"median of {n} steps")
+    times = {}
     for arch in ARCHS:
-        ms_per_step(arch, 2)  # warm-up (and compilation)
-    samples = [[ms_per_step(arch, k) for arch in ARCHS] for _ in range(rounds)]
-    times = {arch: sorted(s)[len(s) // 2] for arch, s in zip(ARCHS, zip(*samples))}
-    for arch, t in times.items():
-        log(f"{arch:<10} {t:8.2f} ms/step {t / times['attention']:6.2f}x attention")
+        model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
+        optimizer = adamw(model, 1e-4, device)
+        times[arch] = kernels.timeit(lambda: train_step(model, optimizer, *batch), device, n)[0]
+        log(f"{arch:<10} {times[arch]:8.2f} ms/step {times[arch] / times['attention']:6.2f}x attention")
     return times
 
 
@@ -1641,64 +1620,58 @@ def parse_args(argv=None):
         extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
         p.add_argument(f"--{f.name}", **flag, default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")
-    p.add_argument("--load", default=argparse.SUPPRESS, metavar="RUN",
-                   help="evaluate a saved run folder instead of training")
-    p.add_argument("--sweep", action="store_true", default=argparse.SUPPRESS,
-                   help="train every width x learning rate, keep the best per width, write out_dir/summary.md")
-    p.add_argument("--widths", type=_numbers(int), default=argparse.SUPPRESS, metavar="D,D,...",
-                   help=f"with --sweep or --preset: the widths (default: {','.join(map(str, PAPER_WIDTHS))}; reduced: 64)")
-    p.add_argument("--lrs", type=_numbers(float, zero_ok=True), default=argparse.SUPPRESS, metavar="LR,LR,...",
-                   help="with --sweep or --preset: the learning rates, 0 = the arch's default (default: the paper's grid; "
-                        "reduced: 0)")
-    p.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
-                   help="run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, atr_8192, "
-                        "mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)")
-    p.add_argument("--jobs", type=int, default=argparse.SUPPRESS,
-                   help="with --sweep or --preset: runs trained at once, each in a fresh process (CPU cores shared out)")
-    p.add_argument("--bench", action="store_true", default=argparse.SUPPRESS,
-                   help="time a training step of every architecture at these settings, relative to attention")
-    p.add_argument("--plot", default=argparse.SUPPRESS, metavar="DIR",
-                   help="draw DIR/accuracy_by_width.png and DIR/mechanism.png of a sweep or preset (needs matplotlib)")
+    widths = ",".join(map(str, PAPER_WIDTHS))
+    for name, kind, help in (  # the flags that are not Config fields
+            ("load", dict(metavar="RUN"), "evaluate a saved run folder instead of training"),
+            ("sweep", dict(action="store_true"), "train every width x learning rate, keep the best per width"),
+            ("widths", dict(type=_numbers(int), metavar="D,D,..."), f"sweep widths (default: {widths}; reduced: 64)"),
+            ("lrs", dict(type=_numbers(float, zero_ok=True), metavar="LR,LR,..."),
+             "sweep learning rates, 0 = the arch's default (default: the paper's grid; reduced: 0)"),
+            ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, "
+             "atr_8192, mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)"),
+            ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
+            ("bench", dict(action="store_true"), "time a training step of every architecture, relative to attention"),
+            ("plot", dict(metavar="DIR"), "draw the PNGs of a sweep or preset folder (needs matplotlib)")):
+        p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
     return vars(p.parse_args(argv))
+
+
+def evaluate_run(run_dir, args, log=print):
+    """--load: evaluate a saved run (and its test split), and with --analyze run the intervention grid and
+    add it to the folder's results.json. args: settings given with it (see EVAL_ONLY_FIELDS)."""
+    cfg, model = load_run(run_dir, expect=args)
+    model.to(setup(cfg))
+    task = make_task(cfg, train=False)
+    ev = evaluate(model, task.eval)
+    log(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} "
+        f"on {len(task.eval)} documents")
+    for line in wrong_examples(task, task.eval, ev["preds"]):
+        log("  wrong: " + line)
+    found = analyse(model, task, cfg, {}, log, intervene=args.get("analyze", False))
+    if args.get("analyze", False):
+        path = os.path.join(run_dir, "results.json")
+        write_json(path, {**(json.load(open(path)) if os.path.isfile(path) else {}), **found})
 
 
 def main(argv=None):
     args = parse_args(argv)
-    flags = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "jobs") if k in args}
-    bench = args.pop("bench", False)
+    flags = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "jobs", "bench", "plot", "load") if k in args}
     try:
-        if bench:
-            bench_steps(Config(**args))
-            return 0
-        if "plot" in args:
-            plot(args.pop("plot"))
-            return 0
-        if flags and not (flags.get("sweep") or flags.get("preset")):
-            raise ConfigError(f"--{next(iter(flags))} belongs to a sweep; add --sweep or --preset NAME")
         if flags.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {flags['jobs']}")
-        if flags:
-            if "preset" in flags:
-                run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1))
-            else:
-                sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1))
-            return 0
-        if "load" in args:
-            run_dir = args.pop("load")
-            cfg, model = load_run(run_dir, expect=args)
-            model.to(setup(cfg))
-            task = make_task(cfg, train=False)
-            ev = evaluate(model, task.eval)
-            print(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, "
-                  f"p(answer) {ev['p_answer']:.3f} on {len(task.eval)} documents")
-            for line in wrong_examples(task, task.eval, ev["preds"]):
-                print("  wrong: " + line)
-            analyze = args.get("analyze", False)  # given with --load: run the grid on the saved model
-            found = analyse(model, task, cfg, {}, print, intervene=analyze)
-            if analyze:
-                path = os.path.join(run_dir, "results.json")
-                results = json.load(open(path)) if os.path.isfile(path) else {}
-                write_json(path, {**results, **found})
+        if flags.get("bench"):
+            bench_steps(Config(**args))
+        elif "plot" in flags:
+            plot(flags["plot"])
+        elif "preset" in flags:
+            run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1))
+        elif flags.get("sweep"):
+            sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1))
+        elif set(flags) & {"widths", "lrs", "jobs"}:
+            raise ConfigError(f"--{min(set(flags) & {'widths', 'lrs', 'jobs'})} belongs to a sweep; add --sweep or "
+                              f"--preset NAME")
+        elif "load" in flags:
+            evaluate_run(flags["load"], args)
         else:
             train(Config(**args))
     except (ConfigError, NonFiniteLoss) as e:

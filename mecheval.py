@@ -118,14 +118,12 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tasks. Both produce fixed splits of padded documents. Labels are aligned with the prediction: labels[t]
-# is the token the model should output *at* position t, so only labels[query] = answer is set and the
-# loss is read at the query position (-100 everywhere else).
+# Tasks. Both produce fixed splits of padded documents with one trained prediction each: at the query
+# position the model must output the answer, the next token; the loss is read there and nowhere else.
 
 @dataclass
 class Split:
     input_ids: torch.Tensor  # (M, L) token ids, PAD-padded on the right
-    labels: torch.Tensor     # (M, L) -100 except labels[n, query] = answer
     pos: dict                # name -> (M,) positions: key, value, next_key, divider, query, answer
     lengths: torch.Tensor    # (M,) document lengths before padding
 
@@ -154,7 +152,7 @@ class Task:
 
 def make_split(docs, pos):
     """A Split of documents (an (M, L) array, or token lists padded here) and their named positions
-    (name -> one position per document); its only label is labels[n, query] = the answer token."""
+    (name -> one position per document; the answer is the token after the query)."""
     if isinstance(docs, np.ndarray):  # documents of one length
         ids, lengths = torch.from_numpy(docs), torch.full((len(docs),), docs.shape[1])
     else:
@@ -163,10 +161,7 @@ def make_split(docs, pos):
         for n, d in enumerate(docs):
             ids[n, :len(d)] = torch.tensor(d)
     pos = {k: torch.as_tensor(np.asarray(v), dtype=torch.long) for k, v in pos.items()}
-    labels = torch.full_like(ids, -100)
-    rows = torch.arange(len(ids))
-    labels[rows, pos["query"]] = ids[rows, pos["answer"]]
-    return Split(ids, labels, pos, lengths)
+    return Split(ids, pos, lengths)
 
 
 def sample_distinct(rng, n, k, high):
@@ -582,14 +577,9 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(E, 1))   # A = -[1..N]
         self.D = nn.Parameter(torch.ones(E))
         self.out_proj = writes_residual(nn.Linear(E, d, bias=False))
-        self.reset_dt()
-
-    def reset_dt(self, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
-        """dt_proj: weight U(±r^-1/2); bias = softplus⁻¹(dt), dt log-uniform in [dt_min, dt_max]."""
-        r = self.dt_proj.in_features
+        # Δ's projection: weight U(±r^-1/2); bias = softplus⁻¹(dt) with dt log-uniform in [1e-3, 1e-1], at least 1e-4
         nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
-        dt = torch.exp(torch.rand(self.dt_proj.out_features) * (math.log(dt_max) - math.log(dt_min))
-                       + math.log(dt_min)).clamp(min=floor)
+        dt = torch.exp(torch.rand(E) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
@@ -837,14 +827,15 @@ def train(cfg, task=None, log=print):
     NaN loss."""
     cfg.validate()
     device = setup(cfg)
-    run = Run(cfg, log)  # the run folder: results, progress lines, checkpoints (with the machinery below)
+    ckpt = open_run_folder(cfg)  # the checkpoint of an unfinished run to continue, or None (with the machinery)
     log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     t0 = time.time()
     task = task or make_task(cfg)
     log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, vocabulary "
         f"{task.vocab_size:,}, built in {time.time() - t0:.1f}s")
     model = build_model(cfg, task.vocab_size).to(device)
-    log(f"model {cfg.arch}: {run.start(model, task):,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, "
+    run = Run(cfg, task, model, ckpt, log)  # results, progress lines and checkpoints in the run folder
+    log(f"model {cfg.arch}: {run.results['n_params']:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, "
         f"device {device}")
     optimizer = adamw(model, cfg.lr, device)
     warmup_steps = int(cfg.warmup * cfg.steps)
@@ -1139,19 +1130,13 @@ class Run:
     """The bookkeeping of one training run in its folder out_dir/run_name: the results dict (history,
     status, timing), progress lines, the checkpoints a rerun continues from, and the final files."""
 
-    def __init__(self, cfg, log=print):
-        self.cfg, self.log, self.dir = cfg, log, os.path.join(cfg.out_dir, cfg.run_name)
-        self.ckpt = open_run_folder(cfg, self.dir)  # the checkpoint of an unfinished run to continue, or None
+    def __init__(self, cfg, task, model, ckpt=None, log=print):
+        self.cfg, self.task, self.ckpt, self.log, self.dir = cfg, task, ckpt, log, os.path.join(cfg.out_dir, cfg.run_name)
+        self.results = {"config": asdict(cfg), "status": "running", "n_params": sum(p.numel() for p in model.parameters()),
+                        "steps_done": 0, "history": [], "train_seconds": 0.0}
 
     def path(self, name):
         return os.path.join(self.dir, name)
-
-    def start(self, model, task):
-        """Begin the results of a model on task; returns its number of parameters."""
-        self.task, n = task, sum(p.numel() for p in model.parameters())
-        self.results = dict(config=asdict(self.cfg), status="running", n_params=n, steps_done=0, history=[],
-                            train_seconds=0.0)
-        return n
 
     def reached(self, acc):
         return self.cfg.target_acc > 0 and acc >= self.cfg.target_acc
@@ -1218,8 +1203,6 @@ class Run:
 
 
 FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
-
-
 RENAMED = {"mechanism": "analyze"}  # settings renamed since run folders were first written: old -> new
 
 
@@ -1228,10 +1211,11 @@ def run_settings(config):
     return {RENAMED.get(k, k): v for k, v in config.items() if k not in ("out_dir", "device")}
 
 
-def open_run_folder(cfg, run_dir):
-    """Make run_dir and write cfg there as config.json. Returns the checkpoint to continue from when the
-    folder holds an unfinished run of the same settings, else None. A folder of other settings is refused,
-    so that nothing written there is lost."""
+def open_run_folder(cfg):
+    """Make the run folder out_dir/run_name and write cfg there as config.json. Returns the checkpoint to
+    continue from when the folder holds an unfinished run of the same settings, else None. A folder of
+    other settings is refused, so that nothing written there is lost."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     cfg_path, ckpt_path, results_path = (os.path.join(run_dir, f) for f in ("config.json", "model.pt", "results.json"))
     resume = None
@@ -1415,15 +1399,13 @@ def seed_spread(rows):
     for r in rows:
         stem, _, seed = r["label"].rpartition("_s")
         groups.setdefault((stem if stem and seed.isdigit() else r["label"], r["d_model"]), []).append(r)
-    spread = []
-    for (group, d), rs in groups.items():
-        if len(rs) > 1:
-            spread.append({"group": group, "d_model": d, "n": len(rs)})
-            for k, v in (("", [r["acc"] for r in rs]), *((f"{k}_", [r["attribution"][k] for r in rs])
-                                                         for k in ("value", "query"))):
-                v = [x for x in v if x is not None]
-                spread[-1][f"{k}mean"], spread[-1][f"{k}std"] = \
-                    (np.mean(v).item(), np.std(v, ddof=1).item()) if len(v) > 1 else (None, None)
+    spread = [{"group": group, "d_model": d, "n": len(rs)} for (group, d), rs in groups.items() if len(rs) > 1]
+    for s in spread:
+        rs = groups[s["group"], s["d_model"]]
+        for key, values in (("", [r["acc"] for r in rs]), ("value_", [r["attribution"]["value"] for r in rs]),
+                            ("query_", [r["attribution"]["query"] for r in rs])):
+            v = [x for x in values if x is not None]
+            s[f"{key}mean"], s[f"{key}std"] = (np.mean(v).item(), np.std(v, ddof=1).item()) if len(v) > 1 else (None, None)
     return spread
 
 
@@ -1593,12 +1575,6 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _bool(s):
-    if s.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise argparse.ArgumentTypeError(f"expected true or false, not '{s}'")
-    return s.lower() in ("1", "true", "yes", "on")
-
-
 def _numbers(kind, zero_ok=False):
     def parse(s):
         try:
@@ -1616,7 +1592,7 @@ def parse_args(argv=None):
     """The flags given on the command line (only those), as a dict."""
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
     for f in fields(Config):
-        flag = dict(type=_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --compile = true
+        flag = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)  # --no-compile
         extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
         p.add_argument(f"--{f.name}", **flag, default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")

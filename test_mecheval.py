@@ -44,9 +44,8 @@ def check_ar_split(split, cfg):
     assert (ids[rows, pos["key"]] == query).all(), "the query is the key in context"
     assert (ids[rows, pos["value"]] == answer).all(), "the answer is that key's value"
     assert ((keys == query[:, None]).sum(1) == 1).all(), "the query occurs exactly once in context"
-    expected = torch.full_like(ids, -100)
-    expected[rows, pos["query"]] = answer
-    assert torch.equal(split.labels, expected), "only the answer is labelled, at the query position"
+    assert torch.equal(split.answers, answer) and (pos["answer"] == pos["query"] + 1).all(), \
+        "the trained prediction: the answer is the token after the query"
 
 
 def test_ar_layout_and_positions():
@@ -147,8 +146,7 @@ def test_atr_against_independent_trees(setting):
         assert ids[n, pos["query"][n]] == leaves[c] + 3 and ids[n, pos["answer"][n]] == leaves[p] + 3
         assert pos["next_key"][n] == pos["key"][n] + 1 and pos["divider"][n] == L + 1
         assert pos["query"][n] == L + 2 and pos["answer"][n] == L + 3
-        labelled = (split.labels[n] != -100).nonzero()[:, 0].tolist()
-        assert labelled == [L + 2] and split.labels[n, L + 2] == leaves[p] + 3
+        assert split.answers[n] == leaves[p] + 3, "the trained answer is the parent"
     lengths = split.lengths - 5
     assert lengths.min() >= 3 and lengths.max() <= m.MAX_LEN - 5
 
@@ -206,7 +204,7 @@ def test_generalisation_split_trains_once_and_reports_dev_and_test(tmp_path, cap
 def test_same_seed_same_data_other_seed_other_data():
     for make in (small_ar, small_atr):
         a, b, c = m.make_task(make(seed=3)), m.make_task(make(seed=3)), m.make_task(make(seed=4))
-        assert torch.equal(a.train.input_ids, b.train.input_ids) and torch.equal(a.eval.labels, b.eval.labels)
+        assert torch.equal(a.train.input_ids, b.train.input_ids) and torch.equal(a.eval.answers, b.eval.answers)
         assert not torch.equal(a.eval.input_ids[:, :5], c.eval.input_ids[:, :5])
     for make in (small_ar, small_atr):
         big, small = m.make_task(make(seed=3, n_train=500)), m.make_task(make(seed=3))

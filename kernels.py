@@ -10,14 +10,13 @@ definition you learn from) beside a fast form that gives the same outputs and gr
     selective_scan      Mamba-1 loop indexing (B, L, E, N)     per-step loop on (B, E, N) slices
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
 
-Layouts are (B, L, C), as in the mixers. All functions are differentiable: plain autograd, except the
-short and the Toeplitz convolutions, whose backward is written out (an autograd.Function each, checked
-with gradcheck in the tests).
+Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the short and the
+Toeplitz convolutions, whose backward is written out (checked with gradcheck in the tests).
 `python kernels.py` benchmarks reference vs fast (eager and compiled) forward + backward.
 
-torch.compile: set_compile(True) compiles the loop-free fast forms (short_conv, based_attention) on
-first use; a failure is announced once and that op runs eager from then on. FFTs and Python loops stay
-eager (inductor does not fuse complex ops, and compiling unrolled loops costs minutes on a CPU).
+torch.compile: set_compile(True) compiles the loop-free fast forms (short_conv, based_attention) on first
+use, and a failure is said once and runs that op eager from then on. FFTs and Python loops stay eager
+(inductor does not fuse complex ops, and compiling unrolled loops costs minutes on a CPU).
 """
 import math
 import sys

@@ -310,16 +310,14 @@ def make_atr_split(grammar, n, stream, allow=None):
 
 
 def make_task(cfg, train=True):
-    """Build the task of cfg: an object with vocab_size, train and eval Splits, and decode(ids).
-    Deterministic per cfg.seed; the streams for grammar, training and evaluation data are separate, so
-    the evaluation split does not depend on n_train (train=False skips the training split)."""
+    """The task of cfg, deterministic per cfg.seed. Grammar, training and evaluation data have separate
+    streams, so the evaluation split does not depend on n_train (train=False skips the training split)."""
     if cfg.task == "ar":
         K, V = cfg.n_keys, cfg.n_values
         names = ["<pad>", "<bos>", "<eos>"] + [f"k{i}" for i in range(K)] + [f"v{i}" for i in range(V)]
-        return Task("ar", 3 + K + V, make_ar(cfg, cfg.n_train, np.random.default_rng([cfg.seed, 0]))
-                    if train else None,
-                    make_ar(cfg, cfg.n_eval, np.random.default_rng([cfg.seed, 1])), names,
-                    {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)})
+        rng = lambda stream: np.random.default_rng([cfg.seed, stream])
+        return Task("ar", 3 + K + V, make_ar(cfg, cfg.n_train, rng(0)) if train else None,
+                    make_ar(cfg, cfg.n_eval, rng(1)), names, {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)})
     max_rhs, n_terminals = ATR_SETTINGS[cfg.atr_setting]
     grammar_rng = np.random.default_rng([cfg.seed, 2])
     grammar = Grammar(grammar_rng, n_terminals, max_rhs)
@@ -763,8 +761,7 @@ def pick_device(name):
 
 
 def setup(cfg):
-    """The device of cfg, with torch.compile switched as cfg asks and denormals flushed on a CPU (where they
-    are 10-20x slower)."""
+    """cfg's device, with torch.compile switched as cfg asks and denormals flushed on a CPU (10-20x slower)."""
     device = pick_device(cfg.device)
     kernels.set_compile(cfg.compile)
     if device == "cpu":
@@ -797,9 +794,8 @@ def lr_factor(step, warmup_steps, total_steps):
 
 class Batches:
     """The batch order: epochs over the training documents, each a fresh permutation from the run's own
-    generator, the last partial batch dropped. next() also gives the batch's longest document, to which
-    the padding is trimmed (ATR lengths vary); rounded up to a multiple of round_to, so that compiled
-    kernels see few distinct shapes."""
+    generator, the last partial batch dropped. next() also gives the length the batch's padding is trimmed
+    to (ATR lengths vary), a multiple of round_to so that compiled kernels see few distinct shapes."""
 
     def __init__(self, lengths, batch_size, seed, round_to=1):
         self.lengths, self.B, self.round_to = lengths, batch_size, round_to
@@ -821,10 +817,9 @@ class Batches:
 
 
 def train(cfg, task=None, log=print):
-    """Train the model of cfg on its task, as the paper; write config.json, results.json and model.pt to
-    out_dir/run_name and return the results dict. An unfinished run of the same settings in that folder
-    continues from its last checkpoint, on the same trajectory. Raises NonFiniteLoss (after saving) on a
-    NaN loss."""
+    """Train the model of cfg on its task, as the paper, into out_dir/run_name (config.json, results.json,
+    model.pt); returns the results. An unfinished run there continues from its last checkpoint, on the same
+    trajectory. A NaN loss raises NonFiniteLoss, after saving."""
     cfg.validate()
     device = setup(cfg)
     ckpt = open_run_folder(cfg)  # the checkpoint of an unfinished run to continue, or None (with the machinery)
@@ -866,9 +861,8 @@ def train(cfg, task=None, log=print):
 
 
 def analyse(model, task, cfg, results, log=print, intervene=True):
-    """After training: the accuracy on the generalisation split's test documents, if the task has them
-    (test_acc, test_p_answer), and with intervene=True the interchange-intervention grid on each evaluation
-    split (mechanism on eval / dev, mechanism_test on test). Adds them to results and returns it."""
+    """Adds to results the accuracy on the generalisation split's test documents, if the task has them, and
+    with intervene=True the intervention grid of each evaluation split (mechanism, mechanism_test)."""
     if task.test is not None:
         ev = evaluate(model, task.test)
         results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
@@ -931,11 +925,8 @@ def hooks(model, edits):
     try:
         for (site, layer), fn in edits.items():
             module = site_module(model, site, layer)
-            if site.endswith("_input"):
-                def pre(mod, args, fn=fn):
-                    new = fn(args[0])
-                    return None if new is None else (new,) + tuple(args[1:])
-                handles.append(module.register_forward_pre_hook(pre))
+            if site.endswith("_input"):  # every hooked module takes one input; a returned tensor replaces it
+                handles.append(module.register_forward_pre_hook(lambda mod, args, fn=fn: fn(args[0])))
             else:
                 handles.append(module.register_forward_hook(lambda mod, args, out, fn=fn: fn(out)))
         yield
@@ -985,9 +976,8 @@ def corrupt_tokens(task, split, which, gen):
 
 @torch.no_grad()
 def mechanism(model, task, corrupt="key", seed=0, split=None):
-    """The interchange-intervention grid on a split (default: the evaluation split): every site x layer x
-    position, all documents batched into one forward per cell, clean activations captured once. Returns a
-    dict with the mean clean / corrupted probabilities, one entry per cell, and the verdict."""
+    """The interchange-intervention grid on a split (default: eval): every site x layer x position, one
+    batched forward per cell; returns the mean clean / corrupted probabilities, the cells and the verdict."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
     was_training = model.training
@@ -1142,8 +1132,7 @@ class Run:
         return self.cfg.target_acc > 0 and acc >= self.cfg.target_acc
 
     def resume(self, state):
-        """Load the checkpoint into state (name -> object with load_state_dict) and the results; returns the
-        first step to run (past the end when the run had already stopped early)."""
+        """Load the checkpoint into state and the results; returns the first step to run (past the end if stopped early)."""
         self.t_interval = time.time()
         if self.ckpt:
             for name, obj in state.items():
@@ -1154,8 +1143,7 @@ class Run:
         return self.cfg.steps + 1 if history and self.reached(history[-1]["acc"]) else self.results["steps_done"] + 1
 
     def evaluation(self, step, loss_sum, model, lr):
-        """Evaluate at step, record it in the history and print the progress line. A non-finite mean loss
-        since the last evaluation saves the results (status nonfinite) and raises NonFiniteLoss."""
+        """Evaluate, record it in the history and print the progress line; a non-finite loss raises NonFiniteLoss."""
         r, cfg = self.results, self.cfg
         n = step - r["steps_done"]  # steps since the last evaluation
         train_loss, dt = (loss_sum / n).item(), time.time() - self.t_interval
@@ -1174,8 +1162,7 @@ class Run:
         return ev
 
     def checkpoint(self, step, state):
-        """model.pt with everything the loop carries from one step to the next (state: name -> object with
-        state_dict), and results.json."""
+        """model.pt with all that the loop carries from step to step (state: name -> object), and results.json."""
         saved = {name: obj.state_dict() for name, obj in state.items() if name != "batches"}
         torch.save({"config": asdict(self.cfg), "vocab_size": self.task.vocab_size, "step": step, **saved,
                     **state["batches"].state_dict(), "results": self.results}, self.path("model.pt"))
@@ -1212,9 +1199,8 @@ def run_settings(config):
 
 
 def open_run_folder(cfg):
-    """Make the run folder out_dir/run_name and write cfg there as config.json. Returns the checkpoint to
-    continue from when the folder holds an unfinished run of the same settings, else None. A folder of
-    other settings is refused, so that nothing written there is lost."""
+    """Make the run folder and write cfg there as config.json; returns the checkpoint of an unfinished run of
+    the same settings there, else None. A folder of other settings is refused: nothing there is lost."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     cfg_path, ckpt_path, results_path = (os.path.join(run_dir, f) for f in ("config.json", "model.pt", "results.json"))
@@ -1289,8 +1275,7 @@ def paper_lrs(task, arch):
 
 def paper_acc(cfg, test=False):
     """The paper's accuracy (%) for cfg's task, architecture and width (test=True: on the generalisation
-    split's test documents), or None where the paper's tables have no such model (other widths, layers,
-    kernels or data); the training length is not checked."""
+    split's test documents), or None where the paper has no such model; the training length is not checked."""
     if (cfg.n_layers, cfg.d_conv, cfg.batch_size, cfg.n_train) != (2, "auto", 32, 100_032) or cfg.pos_emb != "auto":
         return None
     if cfg.task == "ar" and cfg.arch in PAPER_AR and cfg.d_model in PAPER_WIDTHS \
@@ -1306,9 +1291,8 @@ def paper_acc(cfg, test=False):
 
 
 def run_or_load(cfg, log=print):
-    """The results of cfg's run: read from its folder when a finished run with the same settings is
-    there (so an interrupted sweep resumes; the folder's spelling and the device do not count),
-    otherwise trained now. A NaN loss is a finished result."""
+    """The results of cfg's run: those of a finished run of the same settings in its folder (the device and
+    the folder's spelling do not count), else trained now. A NaN loss is a finished result."""
     path = os.path.join(cfg.out_dir, cfg.run_name, "results.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -1328,17 +1312,10 @@ def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker pr
 
 
 def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
-    """Train base at every width x learning rate (finished runs are reused), keep the best learning rate
-    per width (highest final accuracy, then mean answer probability), and write summary.md and
-    summary.json to base.out_dir: accuracy beside the paper's, and the last layer's block_input
-    attribution at value / key / query of each best run. Returns the summary dict."""
+    """Train base at every width x learning rate (finished runs are reused), keep the best per width (final
+    accuracy, then answer probability), and write summary.md / summary.json to base.out_dir: accuracy beside
+    the paper's and the last layer's block_input attribution at value / key / query of each best run."""
     return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log)
-
-
-def sweep_configs(base, widths, lrs=None):
-    """One config per width x learning rate; lrs defaults to the paper's grid, and a rate of 0 means the
-    architecture's measured default."""
-    return [replace(base, d_model=d, lr=lr, run_name="") for d in widths for lr in lrs or paper_lrs(base.task, base.arch)]
 
 
 def _worker_init(threads):
@@ -1444,9 +1421,10 @@ def save_summary(out_dir, title, rows, log=print):
 
 
 def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print):
-    """Sweep each (label, config) entry over widths x lrs, all runs in one pool of jobs; then summary.md /
-    summary.json in out_dir over all entries, and one in each entry's own folder."""
-    grids = [sweep_configs(cfg, widths, lrs) for _, cfg in entries]
+    """Sweep each (label, config) entry over widths x lrs (default: the paper's grid; 0 = the default rate),
+    all in one pool of jobs; then a summary in out_dir over all entries, and one in each entry's folder."""
+    grids = [[replace(cfg, d_model=d, lr=lr, run_name="") for d in widths for lr in lrs or paper_lrs(cfg.task, cfg.arch)]
+             for _, cfg in entries]
     log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
         f"{sorted({c.lr for g in grids for c in g})}, in {out_dir}")
     results, rows = run_all([c for g in grids for c in g], jobs, log), []
@@ -1487,9 +1465,8 @@ PRESET_GRID = {"reduced": ((64,), (0.0,))}
 
 
 def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
-    """Every sweep of a preset, each into out_dir/<label>/, with one summary over all of them (entries that
-    differ only in their seed also as mean ± std). args: the Config settings given by the user (a dict),
-    under the preset's own; settings left out resolve per entry (an ATR entry gets ATR's schedule)."""
+    """Every sweep of a preset, each into out_dir/<label>/. args: the user's Config settings (a dict), under
+    the preset's own; settings left out resolve per entry (an ATR entry gets ATR's schedule)."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
@@ -1549,9 +1526,8 @@ def plot(folder, log=print):
 
 
 def bench_steps(cfg, n=20, log=print):
-    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes on cfg's task,
-    the median of n steps after a warm-up step, and the ratio to attention's. A benchmark that prints, not
-    a test: timings are noisy, and only the medians on an otherwise idle machine mean much."""
+    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes and task, the
+    median of n steps after a warm-up step, and the ratio to attention's: a benchmark, not a test."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]

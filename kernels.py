@@ -135,10 +135,10 @@ class _ToeplitzConv(torch.autograd.Function):
         C, L, _ = T.shape
         gY = gy.permute(2, 1, 0).contiguous()                                     # (C, L, B)
         gu = torch.bmm(T.transpose(1, 2), gY).permute(2, 1, 0)
-        # ∂h[c, s] = Σ_t M[c, t, t-s], M = gY Uᵀ: the diagonals of M. In M padded with L zeros on the
-        # left, (t, t-s) sits at t·(2L+1) + (L-s), so stepping t by 2L+1 walks a diagonal.
-        M = F.pad(torch.bmm(gY, U.transpose(1, 2)), (L, 0))                      # (C, L, 2L)
-        diag = M.as_strided((C, L, L), (2 * L * L, 2 * L + 1, 1), M.storage_offset() + 1)  # [c, t, L-1-s]
+        # ∂h[c, s] = Σ_t M[c, t, t-s], M = gY Uᵀ: the diagonals of M. In M padded with L zeros on the left
+        # and flattened, (t, t-s) sits at t·(2L+1) + (L-s): rows of 2L+1 from offset 1 walk the diagonals.
+        M = F.pad(torch.bmm(gY, U.transpose(1, 2)), (L, 0)).flatten(1)            # (C, 2L²)
+        diag = F.pad(M[:, 1:], (0, L + 1)).view(C, L, 2 * L + 1)[:, :, :L]        # [c, t, L-1-s]
         gh = diag.sum(1).flip(-1)                                                 # (C, L)
         return gu, F.pad(gh, (0, ctx.h_len - L))
 

@@ -750,29 +750,24 @@ def wrong_examples(task, split, preds, k=3, max_tokens=40):
     return out
 
 
-def pick_device(name):
-    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
-    if name == "auto":
-        return next(kind for kind, ok in available.items() if ok)
-    if not available[name.split(":")[0]]:
-        raise ConfigError(f"device '{name}' was asked for but {name.split(':')[0].upper()} is not available here; "
-                          f"use auto or cpu")
-    return name
-
-
 def setup(cfg):
-    """cfg's device, with torch.compile switched as cfg asks and denormals flushed on a CPU (10-20x slower)."""
-    device = pick_device(cfg.device)
+    """cfg's device (auto: CUDA, then MPS, then CPU), with torch.compile switched as cfg asks, denormals
+    flushed on a CPU (10-20x slower there) and fp32 convolutions on CUDA (torch's default there is TF32)."""
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    device = next(kind for kind, ok in available.items() if ok) if cfg.device == "auto" else cfg.device
+    if not available[device.split(":")[0]]:
+        raise ConfigError(f"device '{device}' was asked for but {device.split(':')[0].upper()} is not available "
+                          f"here; use auto or cpu")
     kernels.set_compile(cfg.compile)
-    if device == "cpu":
-        torch.set_flush_denormal(True)
+    torch.set_flush_denormal(device == "cpu")
+    torch.backends.cudnn.allow_tf32 = False
     return device
 
 
 def adamw(model, lr, device):
     """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                             fused=device.startswith(("cpu", "cuda")))
+                             fused=device.startswith(("cpu", "cuda", "mps")))
 
 
 def train_step(model, optimizer, ids, query, answer):
@@ -794,26 +789,30 @@ def lr_factor(step, warmup_steps, total_steps):
 
 class Batches:
     """The batch order: epochs over the training documents, each a fresh permutation from the run's own
-    generator, the last partial batch dropped. next() also gives the length the batch's padding is trimmed
-    to (ATR lengths vary), a multiple of round_to so that compiled kernels see few distinct shapes."""
+    generator (the last partial batch dropped), also kept on the device: a copy per step would make the CPU
+    wait for the GPU. next() gives the batch's indices there and the length its padding is trimmed to (ATR
+    lengths vary); compiled, a power of two, so that compiled kernels see few shapes."""
 
-    def __init__(self, lengths, batch_size, seed, round_to=1):
-        self.lengths, self.B, self.round_to = lengths, batch_size, round_to
+    def __init__(self, lengths, batch_size, seed, device="cpu", compile=False):
+        self.lengths, self.B, self.device, self.compile = lengths, batch_size, device, compile
         self.gen, self.order, self.cursor = torch.Generator().manual_seed(seed), None, len(lengths)
 
     def next(self):
         if self.cursor + self.B > len(self.lengths):  # a new epoch
-            self.order, self.cursor = torch.randperm(len(self.lengths), generator=self.gen), 0
-        idx, self.cursor = self.order[self.cursor:self.cursor + self.B], self.cursor + self.B
-        L = -(-int(self.lengths[idx].max()) // self.round_to) * self.round_to
-        return idx, min(L, int(self.lengths.max()))
+            self.set_order(torch.randperm(len(self.lengths), generator=self.gen), 0)
+        span, self.cursor = slice(self.cursor, self.cursor + self.B), self.cursor + self.B
+        L = int(self.lengths[self.order[span]].max())
+        return self.on_device[span], min(max(16, 1 << (L - 1).bit_length()) if self.compile else L, int(self.lengths.max()))
+
+    def set_order(self, order, cursor):
+        self.order, self.cursor, self.on_device = order, cursor, order.to(self.device)
 
     def state_dict(self):
         return {"batch_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
 
     def load_state_dict(self, state):
         self.gen.set_state(state["batch_gen"])
-        self.order, self.cursor = state["order"], state["cursor"]
+        self.set_order(state["order"], state["cursor"])
 
 
 def train(cfg, task=None, log=print):
@@ -835,14 +834,13 @@ def train(cfg, task=None, log=print):
     optimizer = adamw(model, cfg.lr, device)
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
-    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, round_to=16 if cfg.compile else 1)
+    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile)
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
     ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
     loss_sum, ev = torch.zeros((), device=device), None
     try:
         for step in range(run.resume(state), cfg.steps + 1):  # from 1, or from the checkpoint's next step
             idx, L = batches.next()
-            idx = idx.to(device)
             loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx]).detach()
             schedule.step()
             if step % cfg.eval_every == 0 or step == cfg.steps:

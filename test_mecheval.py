@@ -286,6 +286,23 @@ def test_mamba_block_norm_is_mambas_rmsnorm():
     torch.testing.assert_close(model.blocks[0].norm1(x), want, rtol=1e-5, atol=1e-7)
 
 
+def test_batches_cover_each_epoch_and_trim_padding():
+    lengths = torch.tensor([3, 40, 17, 100, 9, 64])
+    compiled, plain = m.Batches(lengths, 2, seed=0, compile=True), m.Batches(lengths, 2, seed=0)
+    seen = []
+    for _ in range(3):  # one epoch: every document once, in the same order with or without compile
+        (idx, L), (idx2, L2) = compiled.next(), plain.next()
+        longest = int(lengths[idx].max())
+        assert torch.equal(idx, idx2) and L2 == longest
+        assert L == min(100, max(16, 1 << (longest - 1).bit_length())) and L >= longest  # a power of two, or all
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(6))
+    state = plain.state_dict()
+    again = m.Batches(lengths, 2, seed=0)
+    again.load_state_dict(state)
+    assert torch.equal(again.next()[0], plain.next()[0]), "a restored batch order continues identically"
+
+
 def test_lr_schedule_warmup_then_cosine_to_zero():
     f = [m.lr_factor(s, 10, 100) for s in range(101)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
@@ -616,7 +633,7 @@ def test_interrupted_run_resumes_on_the_same_trajectory(tmp_path, capsys):
 
 def test_device_auto():
     expected = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    assert m.pick_device("auto") == expected
+    assert m.setup(m.Config(device="auto")) == expected
 
 
 # -------------------------------------------------------------------------------- kernels and mixers

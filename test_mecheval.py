@@ -593,6 +593,22 @@ def test_cli_load_refuses_mismatch(tmp_path, capsys):
     assert "does not fit" in err and "d_model=24" in err and "\n" not in err
 
 
+def test_run_folders_from_before_the_analyze_rename_still_load_and_resume(tmp_path):
+    cfg = m.Config(**{**dict(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=50, d_model=16), "steps": 20,
+                      "eval_every": 10, "target_acc": 0, "analyze": False, "out_dir": str(tmp_path)})
+    m.train(cfg, log=lambda s: None)
+    run = tmp_path / cfg.run_name
+    old = {("mechanism" if k == "analyze" else k): v for k, v in json.loads((run / "config.json").read_text()).items()}
+    (run / "config.json").write_text(json.dumps(old))  # as written before the flag was renamed
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    ckpt["config"] = old
+    torch.save(ckpt, run / "model.pt")
+    loaded, _ = m.load_run(str(run))
+    assert loaded.analyze is False and loaded.run_name == cfg.run_name
+    assert m.run_settings(old) == m.run_settings(m.asdict(cfg))  # so a sweep reuses it, and a rerun is not refused
+    assert m.open_run_folder(cfg) is None  # finished: nothing to resume, and no refusal
+
+
 def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
     argv = TINY + ["--lr", "1e30", "--out_dir", str(tmp_path), "--run_name", "nan"]
     assert m.main(argv) == 1

@@ -135,10 +135,11 @@ class _ToeplitzConv(torch.autograd.Function):
         C, L, _ = T.shape
         gY = gy.permute(2, 1, 0).contiguous()                                     # (C, L, B)
         gu = torch.bmm(T.transpose(1, 2), gY).permute(2, 1, 0)
-        # ∂h[c, s] = Σ_t M[c, t, t-s], M = gY Uᵀ: the diagonals of M. In M padded with L zeros on the left
-        # and flattened, (t, t-s) sits at t·(2L+1) + (L-s): rows of 2L+1 from offset 1 walk the diagonals.
-        M = F.pad(torch.bmm(gY, U.transpose(1, 2)), (L, 0)).flatten(1)            # (C, 2L²)
-        diag = F.pad(M[:, 1:], (0, L + 1)).view(C, L, 2 * L + 1)[:, :, :L]        # [c, t, L-1-s]
+        # ∂h[c, s] = Σ_t M[c, t, t-s], M = gY Uᵀ: the diagonals of M. In M padded with L zeros on the
+        # left, (t, t-s) sits at t·(2L+1) + (L-s), so stepping t by 2L+1 walks a diagonal. The padded M is
+        # a fresh tensor, so its storage starts at 0 (no storage_offset(), which torch.compile cannot trace).
+        M = F.pad(torch.bmm(gY, U.transpose(1, 2)), (L, 0))                      # (C, L, 2L)
+        diag = M.as_strided((C, L, L), (2 * L * L, 2 * L + 1, 1), 1)             # [c, t, L-1-s]
         gh = diag.sum(1).flip(-1)                                                 # (C, L)
         return gu, F.pad(gh, (0, ctx.h_len - L))
 
@@ -189,24 +190,26 @@ def based_attention(q, k, v, eps=1e-12):
 # H3's diagonal SSM kernel (S4D with the bilinear discretisation), per head h over N/2 complex modes n:
 #     K[h, t] = 2 Re Σ_n C̃_n λ_n^t,   λ = (1 + ΔA/2) / (1 - ΔA/2),   C̃ = C B Δ / (1 - ΔA/2)
 
-def ssm_kernel_ref(dt, A, B, C, L):
-    """dt (H,) real; A, B, C (H, N/2) complex -> K (H, L) real, by complex powers λ^t."""
-    z = dt[:, None] * A / 2
-    lam, Ct = (1 + z) / (1 - z), C * B * dt[:, None] / (1 - z)
+def ssm_kernel_ref(dt, A_re, A_im, B, C, L):
+    """dt (H,); A = A_re + i A_im (H, N/2); B, C (H, N/2, 2) complex numbers as (real, imaginary) pairs, as the
+    mixer stores them -> K (H, L) real, by complex powers λ^t."""
+    A, B, C, dt = torch.complex(A_re, A_im), torch.view_as_complex(B), torch.view_as_complex(C), dt[:, None]
+    lam, Ct = (1 + dt * A / 2) / (1 - dt * A / 2), C * B * dt / (1 - dt * A / 2)
     return 2 * (Ct[..., None] * lam[..., None] ** torch.arange(L, device=dt.device)).sum(1).real
 
 
-def ssm_kernel(dt, A, B, C, L):
+def ssm_kernel(dt, A_re, A_im, B, C, L):
     """The same in real arithmetic (complex ops are slow on a CPU). With z = ΔA/2 = x + iy,
     log λ = log(1 + z) - log(1 - z) and C̃ = C B Δ (1 - z̄) / |1 - z|². The powers are a baby step, giant
     step: λ^t = λ^(s·i) λ^j with t = s·i + j and s = ⌈√L⌉, so two Vandermonde blocks of ~√L powers and one
     matmul replace the (H, N/2, L) block of the reference."""
     dt = dt[:, None]                                                    # (H, 1)
-    x, y = dt * A.real / 2, dt * A.imag / 2                            # (H, N/2)
+    x, y = dt * A_re / 2, dt * A_im / 2                                # (H, N/2)
     n_plus, n_minus = (1 + x) ** 2 + y ** 2, (1 - x) ** 2 + y ** 2    # |1 + z|², |1 - z|²
     log_mag = 0.5 * (torch.log(n_plus) - torch.log(n_minus))         # log |λ|
     angle = torch.atan2(y, 1 + x) + torch.atan2(y, 1 - x)            # arg λ (any branch: integer powers)
-    cb_re, cb_im = C.real * B.real - C.imag * B.imag, C.real * B.imag + C.imag * B.real   # C B
+    (Br, Bi), (Cr, Ci) = B.unbind(-1), C.unbind(-1)
+    cb_re, cb_im = Cr * Br - Ci * Bi, Cr * Bi + Ci * Br                # C B
     w = dt / n_minus
     cr, ci = (w * (cb_re * (1 - x) - cb_im * y))[..., None], (w * (cb_re * y + cb_im * (1 - x)))[..., None]
     s = math.ceil(math.sqrt(L))

@@ -535,9 +535,7 @@ class H3(nn.Module):
         return F.pad(torch.fft.irfft(Fb.conj() * Fc, n=n)[:, :min(N, L)], (0, max(0, L - N)))
 
     def ssm_kernel(self, L):                                            # -> (H, L)
-        A = torch.complex(-self.inv_A_real.exp(), self.A_imag)
-        B, C = torch.view_as_complex(self.B), torch.view_as_complex(self.C)
-        return kernels.ssm_kernel(self.log_dt.exp(), A, B, C, L)
+        return kernels.ssm_kernel(self.log_dt.exp(), -self.inv_A_real.exp(), self.A_imag, self.B, self.C, L)
 
     def forward(self, u):                                               # (B, L, d)
         Bsz, L, d = u.shape

@@ -878,7 +878,7 @@ def test_h3_ssm_kernel_matches_the_complex_formula(L):
         h3.log_dt.uniform_(-5, -1)
     params = [h3.log_dt, h3.inv_A_real, h3.A_imag, h3.B, h3.C]
     A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)  # the mixer's parameters, as the docstring's formula
-    want = kernels.ssm_kernel_ref(h3.log_dt.exp(), A, torch.view_as_complex(h3.B), torch.view_as_complex(h3.C), L)
+    want = kernels.ssm_kernel_ref(h3.log_dt.exp(), -h3.inv_A_real.exp(), h3.A_imag, h3.B, h3.C, L)
     dt, B, C = h3.log_dt.exp()[:, None], torch.view_as_complex(h3.B), torch.view_as_complex(h3.C)
     lam, Ct = (1 + dt * A / 2) / (1 - dt * A / 2), C * B * dt / (1 - dt * A / 2)  # the last lag, written out
     torch.testing.assert_close(want[:, L - 1], 2 * (Ct * lam ** (L - 1)).sum(1).real, rtol=1e-9, atol=1e-9)

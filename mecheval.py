@@ -787,9 +787,8 @@ def lr_factor(step, warmup_steps, total_steps):
 
 class Batches:
     """The batch order: epochs over the training documents, each a fresh permutation from the run's own
-    generator (the last partial batch dropped), also kept on the device: a copy per step would make the CPU
-    wait for the GPU. next() gives the batch's indices there and the length its padding is trimmed to (ATR
-    lengths vary); compiled, a power of two, so that compiled kernels see few shapes."""
+    generator (the last partial batch dropped), kept on the device too: a copy per step would make the CPU
+    wait for the GPU. next() gives the batch's indices there and the length its padding is trimmed to."""
 
     def __init__(self, lengths, batch_size, seed, device="cpu", compile=False):
         self.lengths, self.B, self.device, self.compile = lengths, batch_size, device, compile
@@ -799,8 +798,10 @@ class Batches:
         if self.cursor + self.B > len(self.lengths):  # a new epoch
             self.set_order(torch.randperm(len(self.lengths), generator=self.gen), 0)
         span, self.cursor = slice(self.cursor, self.cursor + self.B), self.cursor + self.B
-        L = int(self.lengths[self.order[span]].max())
-        return self.on_device[span], min(max(16, 1 << (L - 1).bit_length()) if self.compile else L, int(self.lengths.max()))
+        L = int(self.lengths[self.order[span]].max())  # ATR lengths vary
+        if self.compile:  # a power of two from 16 (at most the longest document): few shapes to compile for
+            L = min(max(16, 1 << (L - 1).bit_length()), int(self.lengths.max()))
+        return self.on_device[span], L
 
     def set_order(self, order, cursor):
         self.order, self.cursor, self.on_device = order, cursor, order.to(self.device)
@@ -814,9 +815,8 @@ class Batches:
 
 
 def train(cfg, task=None, log=print):
-    """Train the model of cfg on its task, as the paper, into out_dir/run_name (config.json, results.json,
-    model.pt); returns the results. An unfinished run there continues from its last checkpoint, on the same
-    trajectory. A NaN loss raises NonFiniteLoss, after saving."""
+    """Train the model of cfg on its task as the paper, into out_dir/run_name, and return the results. An
+    unfinished run there continues on the same trajectory; a NaN loss raises NonFiniteLoss after saving."""
     cfg.validate()
     device = setup(cfg)
     ckpt = open_run_folder(cfg)  # the checkpoint of an unfinished run to continue, or None (with the machinery)

@@ -1043,10 +1043,11 @@ def verdict_text(v, numbers=True):
         return v or "-"
     kind, r = v["kind"], v["layer"]
     name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
+    if not numbers:
+        return name
     where = {None: "the corruption does not hurt this model, so attributions would be noise:",
              0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
-    digits = 3 if r is None else 2
-    return f"{name} ({where} " + ", ".join(f"{k} {x:.{digits}f}" for k, x in v["reads"].items()) + ")" if numbers else name
+    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
 
 
 def format_mechanism(mech):

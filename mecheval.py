@@ -1489,8 +1489,7 @@ def plot(folder, log=print):
     path = os.path.join(folder, "summary.json")
     if not os.path.isfile(path):
         raise ConfigError(f"no summary.json in {folder}; --plot takes a folder written by --sweep or --preset")
-    with open(path) as f:
-        rows = json.load(f)["rows"]
+    rows = json.load(open(path))["rows"]
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
         groups.setdefault(r["label"], []).append(r)
@@ -1502,6 +1501,7 @@ def plot(folder, log=print):
     ticks = sorted({r["d_model"] for r in rows})
     ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
            title="accuracy by width (x, dashed: the paper)")
+    ax.minorticks_off()  # a log axis spanning under a decade would label 2x10^1, 3x10^1, ... between the widths
     ax.legend(fontsize=7)
     best = {label: max(rs, key=lambda r: (r["acc"], r["d_model"])) for label, rs in groups.items()}
     splits = [("attribution", "eval")] + [("test_attribution", "test")] * any("test_acc" in r for r in rows)

@@ -15,7 +15,7 @@ Toeplitz convolutions, whose backward is written out (checked with gradcheck in 
 `python kernels.py` benchmarks reference vs fast (eager and compiled) forward + backward.
 
 torch.compile: set_compile(True) compiles the loop-free fast forms (short_conv, based_attention) on first
-use, and a failure is said once and runs that op eager from then on. FFTs and Python loops stay eager
+use; a failure to compile raises. FFTs and Python loops stay eager
 (inductor does not fuse complex ops, and compiling unrolled loops costs minutes on a CPU).
 """
 import math
@@ -35,22 +35,10 @@ def set_compile(on):
 
 
 def _compiled(fn):
-    """fn compiled (fullgraph) when compilation is switched on; eager from its first failure on, said once."""
-    cache = _COMPILE["cache"]
-    if not _COMPILE["on"] or cache.get(fn) is fn:
-        return fn
-
-    def run(*args):
-        try:
-            if fn not in cache:
-                cache[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
-            return cache[fn](*args)
-        except Exception as e:  # noqa: BLE001 - compile unavailable (platform, version) or failing: run eager
-            print(f"kernels: torch.compile failed for {fn.__name__} ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:120]}); running it eager from now on", file=sys.stderr)
-            cache[fn] = fn
-            return fn(*args)
-    return run
+    """fn compiled (fullgraph, once) when compilation is switched on. It is opt-in, so a failure is loud."""
+    if _COMPILE["on"] and fn not in _COMPILE["cache"]:
+        _COMPILE["cache"][fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _COMPILE["cache"][fn] if _COMPILE["on"] else fn
 
 
 # ----------------------------------------------------------------------------------------------------

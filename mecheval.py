@@ -65,13 +65,15 @@ class Config:
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
     d_conv: str = setting("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
                                   "base_conv 1-4 or long; auto = the architecture's own")
-    compile: bool = setting(False, "torch.compile the loop-free kernels (short conv, Based); eager on failure")
+    compile: bool = setting(False, "torch.compile the loop-free kernels (short conv, Based); a failure raises")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
     steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
     batch_size: int = setting(32, "documents per step")
     warmup: float = setting(0.1, "fraction of the steps spent in linear warm-up")
     seed: int = setting(0, "seeds the data, the grammar, the initialisation and the batch order")
+    batch_order: str = setting("shuffle", "shuffle: a fresh permutation each epoch; fixed: the authors' order, batch k "
+                                          "of every epoch is training documents [kB, kB+B)")
     device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
@@ -103,7 +105,7 @@ class Config:
         if not self.run_name:
             extra = f"_{self.atr_setting}" + ("" if self.atr_split == "iid" else f"_{self.atr_split}") \
                 if self.task == "atr" else ""
-            extra += "" if self.d_conv == "auto" else f"_c{self.d_conv}"
+            extra += ("" if self.d_conv == "auto" else f"_c{self.d_conv}") + "_fixed" * (self.batch_order == "fixed")
             self.run_name = (f"{self.task}{extra}_{self.arch}_d{self.d_model}_l{self.n_layers}"
                              f"_lr{self.lr:g}_s{self.seed}")
 
@@ -721,8 +723,7 @@ def answer_logits(model, ids, query):
 @torch.no_grad()
 def evaluate(model, split, batch_size=512):
     """Answer accuracy and mean answer probability on a split; also the predictions (M,)."""
-    was_training, device = model.training, next(model.parameters()).device
-    model.eval()
+    device = next(model.parameters()).device
     preds, probs = [], []
     for i in range(0, len(split), batch_size):
         sl = slice(i, i + batch_size)
@@ -730,7 +731,6 @@ def evaluate(model, split, batch_size=512):
         logp = answer_logits(model, ids, split.pos["query"][sl].to(device)).log_softmax(-1)  # (B, V)
         preds.append(logp.argmax(-1).cpu())
         probs.append(logp.gather(1, split.answers[sl, None].to(device))[:, 0].exp().cpu())
-    model.train(was_training)
     preds = torch.cat(preds)
     return {"acc": (preds == split.answers).float().mean().item(), "p_answer": torch.cat(probs).mean().item(),
             "preds": preds}
@@ -787,16 +787,19 @@ def lr_factor(step, warmup_steps, total_steps):
 
 class Batches:
     """The batch order: epochs over the training documents, each a fresh permutation from the run's own
-    generator (the last partial batch dropped), kept on the device too: a copy per step would make the CPU
-    wait for the GPU. next() gives the batch's indices there and the length its padding is trimmed to."""
+    generator, or with fixed=True the stored order every epoch, as the authors' trainer (tinylang
+    experiment.py: batch k is documents [kB, kB+B)). The last partial batch is dropped. The order is kept on
+    the device too: a copy per step would make the CPU wait for the GPU. next() gives the batch's indices
+    there and the length its padding is trimmed to."""
 
-    def __init__(self, lengths, batch_size, seed, device="cpu", compile=False):
-        self.lengths, self.B, self.device, self.compile = lengths, batch_size, device, compile
+    def __init__(self, lengths, batch_size, seed, device="cpu", compile=False, fixed=False):
+        self.lengths, self.B, self.device, self.compile, self.fixed = lengths, batch_size, device, compile, fixed
         self.gen, self.order, self.cursor = torch.Generator().manual_seed(seed), None, len(lengths)
 
     def next(self):
         if self.cursor + self.B > len(self.lengths):  # a new epoch
-            self.set_order(torch.randperm(len(self.lengths), generator=self.gen), 0)
+            n = len(self.lengths)
+            self.set_order(torch.arange(n) if self.fixed else torch.randperm(n, generator=self.gen), 0)
         span, self.cursor = slice(self.cursor, self.cursor + self.B), self.cursor + self.B
         L = int(self.lengths[self.order[span]].max())  # ATR lengths vary
         if self.compile:  # a power of two from 16 (at most the longest document): few shapes to compile for
@@ -832,24 +835,20 @@ def train(cfg, task=None, log=print):
     optimizer = adamw(model, cfg.lr, device)
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
-    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile)
+    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
     ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
     loss_sum, ev = torch.zeros((), device=device), None
-    try:
-        for step in range(run.resume(state), cfg.steps + 1):  # from 1, or from the checkpoint's next step
-            idx, L = batches.next()
-            loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx]).detach()
-            schedule.step()
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                ev = run.evaluation(step, loss_sum, model, schedule.get_last_lr()[0])
-                run.checkpoint(step, state)
-                if run.reached(ev["acc"]):
-                    break
-                loss_sum = torch.zeros((), device=device)
-    except KeyboardInterrupt:
-        run.finish("interrupted")
-        raise
+    for step in range(run.resume(state), cfg.steps + 1):  # from 1, or from the checkpoint's next step
+        idx, L = batches.next()
+        loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx]).detach()
+        schedule.step()
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            ev = run.evaluation(step, loss_sum, model, schedule.get_last_lr()[0])
+            run.checkpoint(step, state)
+            if run.reached(ev["acc"]):
+                break
+            loss_sum = torch.zeros((), device=device)
     run.complete(model, ev or evaluate(model, task.eval))  # ev is None if the checkpoint was the last step
     if task.test is not None or cfg.analyze:
         write_json(run.path("results.json"), analyse(model, task, cfg, run.results, log, cfg.analyze))
@@ -889,8 +888,9 @@ def short_conv_of(mixer):
     return next((mod for mod in mixer.modules() if isinstance(mod, ShortConv)), None)
 
 
-def site_module(model, site, layer):
-    """The module whose input or output is `site` of block `layer`."""
+def site_module(model, site, layer, strict=True):
+    """The module whose input or output is `site` of block `layer`; with strict=False None where the block
+    has no such site (Mamba blocks have no MLP; conv_output exists where the mixer has a short convolution)."""
     if site not in SITES:
         raise ValueError(f"unknown site '{site}'; allowed: {', '.join(SITES)}")
     if not 0 <= layer < len(model.blocks):
@@ -898,7 +898,7 @@ def site_module(model, site, layer):
     block = model.blocks[layer]
     part = site.rsplit("_", 1)[0]
     module = {"block": block, "mixer": block.mixer, "mlp": block.mlp, "conv": short_conv_of(block.mixer)}[part]
-    if module is None:
+    if module is None and strict:
         raise ValueError(f"site '{site}' does not exist in layer {layer}: " + (
             "its blocks have no MLP (Mamba); use block_* or mixer_* sites" if part == "mlp"
             else f"its {type(block.mixer).__name__} mixer has no short convolution"))
@@ -906,11 +906,8 @@ def site_module(model, site, layer):
 
 
 def model_cells(model):
-    """Every (site, layer) the model has: Mamba blocks have no mlp_* sites, and conv_output exists only
-    where the mixer has a short convolution."""
-    return [(site, layer) for layer, block in enumerate(model.blocks) for site in SITES
-            if not (site.startswith("mlp") and block.mlp is None)
-            and not (site == "conv_output" and short_conv_of(block.mixer) is None)]
+    """Every (site, layer) the model has."""
+    return [(s, l) for l in range(len(model.blocks)) for s in SITES if site_module(model, s, l, False) is not None]
 
 
 @contextmanager
@@ -976,8 +973,6 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
     batched forward per cell; returns the mean clean / corrupted probabilities, the cells and the verdict."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
-    was_training = model.training
-    model.eval()
     L = int(split.lengths.max())
     clean = split.input_ids[:, :L].to(device)
     base = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :L].to(device)
@@ -1001,7 +996,6 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
             valid = (pos[k] >= 0).float()
             stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1)
                                       for p in (p_clean, p_corrupt, p_patched)]))
-    model.train(was_training)
     grid = [{"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c, "p_patched": r,
              "attribution": (r - c) / (o - c) if o - c > 0.01 else None}
             for (site, layer, k), (o, c, r) in zip([cell + (k,) for cell in cells for k in POSITIONS],
@@ -1075,6 +1069,7 @@ def config_errors(c):
     widths = {"mamba": "0 1 2 3 4", "deltanet": "0 1 2 3 4", "based": "1 2 3 4 long", "base_conv": "1 2 3 4 long"}
     for name, allowed in (("task", TASKS), ("arch", list(ARCHS)), ("pos_emb", ("auto", "on", "off")),
                           ("atr_setting", list(ATR_SETTINGS)), ("atr_split", ("iid", "gen")), ("corrupt", ("key", "value")),
+                          ("batch_order", ("shuffle", "fixed")),
                           ("device", ("auto", "cpu", "cuda", "cuda:N", "mps"))):
         value = getattr(c, name)
         yield value not in allowed and not (name == "device" and value.startswith("cuda:")), \
@@ -1085,6 +1080,7 @@ def config_errors(c):
         f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {widths.get(c.arch, '').replace(' ', ', ')}"
     for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values", "n_train", "n_eval"):
         yield getattr(c, name) <= 0, f"{name} must be a positive integer, not {getattr(c, name)}"
+    yield c.seed < 0, f"seed must be a non-negative integer, not {c.seed}"
     yield c.steps < 0, f"steps must be positive (or 0 for the paper's schedule), not {c.steps}"
     yield not (math.isfinite(c.lr) and c.lr >= 0), f"lr must be a positive number (or 0 for the default), not {c.lr}"
     yield not 0 <= c.warmup < 1, f"warmup is a fraction of the steps in [0, 1), not {c.warmup}"
@@ -1187,12 +1183,12 @@ class Run:
 
 
 FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
-RENAMED = {"mechanism": "analyze"}  # settings renamed since run folders were first written: old -> new
 
 
 def run_settings(config):
-    """What a run computes: its config dict without where it is written and which device ran it."""
-    return {RENAMED.get(k, k): v for k, v in config.items() if k not in ("out_dir", "device")}
+    """What a run computes: its config dict without where it is written and which device ran it; a setting
+    that a folder written before it existed lacks is its default."""
+    return {f.name: config.get(f.name, f.default) for f in fields(Config) if f.name not in ("out_dir", "device")}
 
 
 def open_run_folder(cfg):
@@ -1230,7 +1226,7 @@ def load_run(run_dir, expect=None):
         raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     try:
-        cfg = Config(**{RENAMED.get(k, k): v for k, v in ckpt["config"].items()})
+        cfg = Config(**ckpt["config"])
     except TypeError as e:
         raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
     for k, v in (expect or {}).items():
@@ -1308,11 +1304,13 @@ def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker pr
     return run_or_load(cfg, log=lambda s: None)
 
 
-def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print):
-    """Train base at every width x learning rate (finished runs are reused), keep the best per width (final
-    accuracy, then answer probability), and write summary.md / summary.json to base.out_dir: accuracy beside
-    the paper's and the last layer's block_input attribution at value / key / query of each best run."""
-    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log)
+def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print, seeds=None):
+    """Train base at every width x learning rate x seed (finished runs are reused), keep the best rate per width
+    (mean final accuracy over the seeds, then answer probability), and write summary.md / summary.json to
+    base.out_dir: accuracy beside the paper's and the last layer's block_input attribution at value / key /
+    query, averaged over the seeds that succeeded."""
+    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log,
+                      seeds)
 
 
 def _worker_init(threads):
@@ -1340,21 +1338,25 @@ def run_all(cfgs, jobs=1, log=print):
 
 
 def best_rows(label, cfgs, results, widths):
-    """The best run per width of one sweep as summary rows: accuracy beside the paper's, the attribution
-    of the last layer's block_input, and the accuracy of every learning rate tried."""
+    """The best learning rate per width of one sweep as summary rows, chosen on the mean over its seeds: that
+    rate's seed_stats beside the paper's accuracy, the verdict of its most accurate seed, and every rate's."""
     rows = []
     for d in widths:
-        runs = [(cfg, r) for cfg, r in zip(cfgs, results) if cfg.d_model == d]
-        cfg, best = max(runs, key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
-        rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": cfg.lr,
-                     "run": cfg.run_name, "acc": 100 * best.get("final_acc", 0.0), "paper_acc": paper_acc(cfg),
-                     "attribution": last_layer_reads(best.get("mechanism")), "steps": best.get("steps_done"),
+        by_lr = {}
+        for cfg, r in zip(cfgs, results):
+            if cfg.d_model == d:
+                by_lr.setdefault(cfg.lr, []).append((cfg, r))
+        stats = {lr: seed_stats([r for _, r in runs]) for lr, runs in by_lr.items()}
+        lr = max(stats, key=lambda lr: (stats[lr]["acc"], stats[lr]["p_answer"]))
+        cfg, best = max(by_lr[lr], key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
+        rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": lr,
+                     "run": cfg.run_name, **stats[lr], "paper_acc": paper_acc(cfg), "steps": best.get("steps_done"),
                      "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False),
                      "train_seconds": best.get("train_seconds"),
-                     "acc_by_lr": {f"{c.lr:g}": 100 * r.get("final_acc", 0.0) for c, r in runs}})
+                     "acc_by_lr": {f"{lr:g}": {k: v for k, v in s.items() if "attribution" not in k}
+                                   for lr, s in stats.items()}})
         if "test_acc" in best:  # the generalisation split: its test documents beside the dev ones
-            rows[-1].update(test_acc=100 * best["test_acc"], paper_test_acc=paper_acc(cfg, test=True),
-                            test_attribution=last_layer_reads(best.get("mechanism_test")))
+            rows[-1]["paper_test_acc"] = paper_acc(cfg, test=True)
     return rows
 
 
@@ -1366,21 +1368,24 @@ def last_layer_reads(mech):
     return {k: attr.get(k) for k in ("value", "key", "query")}
 
 
-def seed_spread(rows):
-    """Rows that differ only in their seed (labels ending _s0, _s1, ...), per width: mean and sample std of
-    the accuracy and of the value / query attribution."""
-    groups = {}
-    for r in rows:
-        stem, _, seed = r["label"].rpartition("_s")
-        groups.setdefault((stem if stem and seed.isdigit() else r["label"], r["d_model"]), []).append(r)
-    spread = [{"group": group, "d_model": d, "n": len(rs)} for (group, d), rs in groups.items() if len(rs) > 1]
-    for s in spread:
-        rs = groups[s["group"], s["d_model"]]
-        for key, values in (("", [r["acc"] for r in rs]), ("value_", [r["attribution"]["value"] for r in rs]),
-                            ("query_", [r["attribution"]["query"] for r in rs])):
-            v = [x for x in values if x is not None]
-            s[f"{key}mean"], s[f"{key}std"] = (np.mean(v).item(), np.std(v, ddof=1).item()) if len(v) > 1 else (None, None)
-    return spread
+def seed_stats(runs):
+    """Over the results of one width and rate, a run per seed: the accuracy's mean, sample std (None for one
+    seed), min and max (%), how many seeds succeeded (at least 50 %), and the last layer's block_input
+    attribution averaged over the seeds that succeeded (over all of them when none did); likewise the test split's."""
+    pct = lambda key: [100 * r.get(key, 0.0) for r in runs]
+    acc = pct("final_acc")
+    ok = [r for r, a in zip(runs, acc) if a >= 50] or runs
+
+    def mean_reads(key):
+        reads = [last_layer_reads(r.get(key)) for r in ok]
+        values = {k: [x[k] for x in reads if x[k] is not None] for k in ("value", "key", "query")}
+        return {k: np.mean(v).item() if v else None for k, v in values.items()}
+    out = {"acc": np.mean(acc).item(), "acc_std": np.std(acc, ddof=1).item() if len(acc) > 1 else None,
+           "acc_min": min(acc), "acc_max": max(acc), "n": len(acc), "successes": sum(a >= 50 for a in acc),
+           "p_answer": np.mean([r.get("final_p_answer", 0.0) for r in runs]).item(), "attribution": mean_reads("mechanism")}
+    if all("test_acc" in r for r in runs):
+        out.update(test_acc=np.mean(pct("test_acc")).item(), test_attribution=mean_reads("mechanism_test"))
+    return out
 
 
 def md_table(header, rows):
@@ -1391,24 +1396,25 @@ def md_table(header, rows):
 
 
 def save_summary(out_dir, title, rows, log=print):
-    """summary.json and the markdown tables summary.md in out_dir (also logged): the best run per width,
-    the spread over seeds, and the generalisation split's dev -> test. Returns the summary dict."""
-    spread, gen = seed_spread(rows), [r for r in rows if "test_acc" in r]
-    lines = [f"{title}: best learning rate per width", ""] + md_table(
-        ("run", "d", "best lr", "steps", "accuracy %", "paper %", "value", "key", "query", "verdict"),
-        [(r["label"], r["d_model"], f"{r['best_lr']:g}", f"{r['steps'] or 0:,}", r["acc"], r["paper_acc"],
-          *r["attribution"].values(), r["verdict"]) for r in rows])
-    pm = lambda s, k: "-" if s[f"{k}mean"] is None else f"{s[f'{k}mean']:.2f} ± {s[f'{k}std']:.2f}"
-    lines += ["", *md_table(("group", "d", "accuracy %", "value", "query", "seeds"),
-                            [(s["group"], s["d_model"], pm(s, ""), pm(s, "value_"), pm(s, "query_"), s["n"])
-                             for s in spread])] if spread else []
+    """summary.json and the markdown tables summary.md in out_dir (also logged): the best rate per width,
+    every rate's spread over seeds where there are several, and the generalisation split's dev -> test."""
+    gen = [r for r in rows if "test_acc" in r]
+    pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
+    spread = lambda s: (pm(s), f"{s['acc_min']:.2f}–{s['acc_max']:.2f}", f"{s['successes']}/{s['n']}")
+    lines = [f"{title}: best learning rate per width (on the mean over seeds)", ""] + md_table(
+        ("run", "d", "best lr", "steps", "accuracy %", "min–max", "≥ 50 %", "paper %", "value", "key", "query",
+         "verdict"), [(r["label"], r["d_model"], f"{r['best_lr']:g}", f"{r['steps'] or 0:,}", *spread(r),
+                      r["paper_acc"], *r["attribution"].values(), r["verdict"]) for r in rows])
+    lines += ["", "every rate over seeds", "", *md_table(("run", "d", "lr", "accuracy %", "min–max", "≥ 50 %"), [
+        (r["label"], r["d_model"], lr, *spread(s)) for r in rows for lr, s in r["acc_by_lr"].items()])] \
+        if any(r["n"] > 1 for r in rows) else []
     num = lambda v: "-" if v is None else f"{v:.2f}"
     lines += ["", "generalisation split: dev -> test", "", *md_table(
         ("run", "d", "dev %", "paper", "test %", "paper", "value", "key", "query"),
         [(r["label"], r["d_model"], r["acc"], r["paper_acc"], r["test_acc"], r["paper_test_acc"],
           *(f"{num(r['attribution'][k])} -> {num(r['test_attribution'][k])}" for k in ("value", "key", "query")))
          for r in gen])] if gen else []
-    summary = {"title": title, "rows": rows, "spread": spread}
+    summary = {"title": title, "rows": rows}
     os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "summary.json"), summary)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
@@ -1417,13 +1423,14 @@ def save_summary(out_dir, title, rows, log=print):
     return summary
 
 
-def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print):
-    """Sweep each (label, config) entry over widths x lrs (default: the paper's grid; 0 = the default rate),
-    all in one pool of jobs; then a summary in out_dir over all entries, and one in each entry's folder."""
-    grids = [[replace(cfg, d_model=d, lr=lr, run_name="") for d in widths for lr in lrs or paper_lrs(cfg.task, cfg.arch)]
-             for _, cfg in entries]
+def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None):
+    """Sweep each (label, config) entry over widths x lrs x seeds (default: the paper's rates, 0 = the default
+    rate; the entry's own seed), all in one pool of jobs; then a summary in out_dir over all entries, and one
+    in each entry's folder."""
+    grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
+              for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
     log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
-        f"{sorted({c.lr for g in grids for c in g})}, in {out_dir}")
+        f"{sorted({c.lr for g in grids for c in g})} x seeds {sorted({c.seed for g in grids for c in g})}, in {out_dir}")
     results, rows = run_all([c for g in grids for c in g], jobs, log), []
     for (label, cfg), grid in zip(entries, grids):
         res, results = results[:len(grid)], results[len(grid):]
@@ -1434,8 +1441,8 @@ def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print):
 
 
 def presets():
-    """The paper's experiments as named lists of (label, settings); each entry is swept over the widths
-    and learning rates given, else those of PRESET_GRID, else the paper's for its task and architecture."""
+    """The paper's experiments as named lists of (label, settings); each entry is swept over the widths, learning
+    rates and seeds given, else those of PRESET_GRID, else the paper's for its task and architecture, one seed."""
     archs = list(ARCHS)
     return {
         "ar": [(a, dict(task="ar", arch=a)) for a in archs],
@@ -1444,7 +1451,7 @@ def presets():
         "based_conv": [(f"based_c{w}", dict(task="ar", arch="based", d_conv=w)) for w in ("1", "2", "3", "4", "long")],
         "layers": [(f"{a}_{n}l", dict(task="ar", arch=a, n_layers=n)) for a in archs for n in (1, 3)],
         "atr_gen": [(a, dict(task="atr", arch=a, atr_split="gen")) for a in archs],
-        "seeds": [(f"{a}_s{seed}", dict(task="ar", arch=a, seed=seed)) for a in archs for seed in (0, 1, 2)],
+        "seeds": [(a, dict(task="ar", arch=a)) for a in archs],
         # The paper's central contrasts on a 2-core CPU in a few hours (the README's reduced reproduction):
         # one width, default learning rates, shortened schedules except attention's (see the README).
         "reduced": [(f"ar_{a}", dict(task="ar", arch=a, steps=0 if a == "attention" else 20_000))
@@ -1457,22 +1464,22 @@ def presets():
     }
 
 
-# Widths and learning rates of a preset when the command line gives none (0 = the architecture's default).
-PRESET_GRID = {"reduced": ((64,), (0.0,))}
+# Widths, learning rates and seeds of a preset when the command line gives none (0 = the architecture's default).
+PRESET_GRID = {"reduced": ((64,), (0.0,), None), "seeds": (PAPER_WIDTHS, None, (0, 1, 2))}
 
 
-def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print):
+def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None):
     """Every sweep of a preset, each into out_dir/<label>/. args: the user's Config settings (a dict), under
     the preset's own; settings left out resolve per entry (an ATR entry gets ATR's schedule)."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
     out_dir = Config(**args).out_dir
-    widths = widths or PRESET_GRID.get(name, (PAPER_WIDTHS, None))[0]
-    lrs = lrs or PRESET_GRID.get(name, (None, None))[1]
+    grid = PRESET_GRID.get(name, (PAPER_WIDTHS, None, None))
+    widths, lrs, seeds = widths or grid[0], lrs or grid[1], seeds or grid[2]
     entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))
                for label, settings in table[name]]
-    return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log)
+    return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log, seeds)
 
 
 def plot(folder, log=print):
@@ -1480,15 +1487,15 @@ def plot(folder, log=print):
     per entry (the paper's numbers dashed beside ours where it has them), and the last layer's block_input
     attribution at value / key / query of each entry's most accurate run (on dev and test for the
     generalisation split). Needs matplotlib, which the rest of mecheval does not."""
+    path = os.path.join(folder, "summary.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no summary.json in {folder}; --plot takes a folder written by --sweep or --preset")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed; pip install matplotlib") from None
-    path = os.path.join(folder, "summary.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"no summary.json in {folder}; --plot takes a folder written by --sweep or --preset")
     rows = json.load(open(path))["rows"]
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
@@ -1548,16 +1555,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _numbers(kind, zero_ok=False):
+def _numbers(kind):  # each value is then checked as the setting it becomes (a width as d_model, a rate as lr)
     def parse(s):
         try:
-            values = tuple(kind(v) for v in s.split(","))
+            return tuple(kind(v) for v in s.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, not '{s}'") from None
-        if not values or min(values) < 0 or (min(values) == 0 and not zero_ok):
-            allowed = "non-negative numbers (0 = the architecture's default)" if zero_ok else "positive numbers"
-            raise argparse.ArgumentTypeError(f"expected {allowed}, not '{s}'")
-        return values
     return parse
 
 
@@ -1574,8 +1577,10 @@ def parse_args(argv=None):
             ("load", dict(metavar="RUN"), "evaluate a saved run folder instead of training"),
             ("sweep", dict(action="store_true"), "train every width x learning rate, keep the best per width"),
             ("widths", dict(type=_numbers(int), metavar="D,D,..."), f"sweep widths (default: {widths}; reduced: 64)"),
-            ("lrs", dict(type=_numbers(float, zero_ok=True), metavar="LR,LR,..."),
+            ("lrs", dict(type=_numbers(float), metavar="LR,LR,..."),
              "sweep learning rates, 0 = the arch's default (default: the paper's grid; reduced: 0)"),
+            ("seeds", dict(type=_numbers(int), metavar="S,S,..."),
+             "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, "
              "atr_8192, mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)"),
             ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
@@ -1604,7 +1609,8 @@ def evaluate_run(run_dir, args, log=print):
 
 def main(argv=None):
     args = parse_args(argv)
-    flags = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "jobs", "bench", "plot", "load") if k in args}
+    flags = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "seeds", "jobs", "bench", "plot", "load")
+             if k in args}
     try:
         if flags.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {flags['jobs']}")
@@ -1613,12 +1619,14 @@ def main(argv=None):
         elif "plot" in flags:
             plot(flags["plot"])
         elif "preset" in flags:
-            run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1))
+            run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1),
+                       seeds=flags.get("seeds"))
         elif flags.get("sweep"):
-            sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1))
-        elif set(flags) & {"widths", "lrs", "jobs"}:
-            raise ConfigError(f"--{min(set(flags) & {'widths', 'lrs', 'jobs'})} belongs to a sweep; add --sweep or "
-                              f"--preset NAME")
+            sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1),
+                  seeds=flags.get("seeds"))
+        elif set(flags) & {"widths", "lrs", "seeds", "jobs"}:
+            raise ConfigError(f"--{min(set(flags) & {'widths', 'lrs', 'seeds', 'jobs'})} belongs to a sweep; add "
+                              f"--sweep or --preset NAME")
         elif "load" in flags:
             evaluate_run(flags["load"], args)
         else:

@@ -303,6 +303,15 @@ def test_batches_cover_each_epoch_and_trim_padding():
     assert torch.equal(again.next()[0], plain.next()[0]), "a restored batch order continues identically"
 
 
+def test_fixed_batch_order_is_the_stored_order_every_epoch():
+    fixed = m.Batches(torch.full((11,), 5), 3, seed=0, fixed=True)  # 3 batches an epoch, documents 9 and 10 dropped
+    want = [[0, 1, 2], [3, 4, 5], [6, 7, 8]] * 3                      # batch k = documents [3k, 3k+3), every epoch
+    assert [fixed.next()[0].tolist() for _ in range(9)] == want
+    shuffled = m.Batches(torch.full((11,), 5), 3, seed=0)
+    epochs = [sum((shuffled.next()[0].tolist() for _ in range(3)), []) for _ in range(2)]
+    assert epochs[0] != epochs[1] and epochs[0] != sum(want[:3], []), "shuffle draws a new order each epoch"
+
+
 def test_lr_schedule_warmup_then_cosine_to_zero():
     f = [m.lr_factor(s, 10, 100) for s in range(101)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
@@ -593,20 +602,34 @@ def test_cli_load_refuses_mismatch(tmp_path, capsys):
     assert "does not fit" in err and "d_model=24" in err and "\n" not in err
 
 
-def test_run_folders_from_before_the_analyze_rename_still_load_and_resume(tmp_path):
+def test_run_folders_written_before_a_setting_existed_take_its_default(tmp_path):
     cfg = m.Config(**{**dict(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=50, d_model=16), "steps": 20,
                       "eval_every": 10, "target_acc": 0, "analyze": False, "out_dir": str(tmp_path)})
     m.train(cfg, log=lambda s: None)
     run = tmp_path / cfg.run_name
-    old = {("mechanism" if k == "analyze" else k): v for k, v in json.loads((run / "config.json").read_text()).items()}
-    (run / "config.json").write_text(json.dumps(old))  # as written before the flag was renamed
+    old = json.loads((run / "config.json").read_text())
+    del old["batch_order"]  # as written before --batch_order existed: those runs shuffled
+    (run / "config.json").write_text(json.dumps(old))
     ckpt = torch.load(run / "model.pt", weights_only=True)
     ckpt["config"] = old
     torch.save(ckpt, run / "model.pt")
     loaded, _ = m.load_run(str(run))
-    assert loaded.analyze is False and loaded.run_name == cfg.run_name
+    assert loaded.batch_order == "shuffle" and loaded.run_name == cfg.run_name
     assert m.run_settings(old) == m.run_settings(m.asdict(cfg))  # so a sweep reuses it, and a rerun is not refused
+    assert m.run_settings(old) != m.run_settings(m.asdict(m.replace(cfg, batch_order="fixed")))
     assert m.open_run_folder(cfg) is None  # finished: nothing to resume, and no refusal
+
+
+def test_batch_order_is_a_run_setting(tmp_path):
+    cfg = small_ar(d_model=8, steps=20, eval_every=10, target_acc=0, analyze=False, out_dir=str(tmp_path))
+    fixed = m.replace(cfg, batch_order="fixed", run_name="")
+    assert fixed.run_name == cfg.run_name.replace("ar_", "ar_fixed_", 1)  # both orders can share a folder
+    a, b = (m.train(c, log=lambda s: None) for c in (cfg, fixed))
+    assert [h["loss"] for h in a["history"]] != [h["loss"] for h in b["history"]]
+    with pytest.raises(m.ConfigError, match="batch_order=shuffle, not batch_order=fixed"):
+        m.open_run_folder(m.replace(fixed, run_name=cfg.run_name))  # a folder of the other order is refused
+    with pytest.raises(m.ConfigError, match="unknown batch_order 'random'; allowed: shuffle, fixed"):
+        m.replace(cfg, batch_order="random")
 
 
 def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
@@ -618,9 +641,10 @@ def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
     assert res["status"] == "nonfinite" and (tmp_path / "nan" / "config.json").exists()
 
 
-def test_interrupted_run_resumes_on_the_same_trajectory(tmp_path, capsys):
+@pytest.mark.parametrize("order", ["shuffle", "fixed"])
+def test_interrupted_run_resumes_on_the_same_trajectory(order, tmp_path, capsys):
     cfg = small_atr(arch="mamba", d_model=16, steps=60, eval_every=10, target_acc=0, analyze=False,
-                    out_dir=str(tmp_path), run_name="whole")
+                    out_dir=str(tmp_path), run_name="whole", batch_order=order)
     whole = m.train(cfg, log=lambda s: None)
 
     def stop_at_30(line):  # the progress line of step 30 comes before its checkpoint: resume from step 20
@@ -629,7 +653,6 @@ def test_interrupted_run_resumes_on_the_same_trajectory(tmp_path, capsys):
     cut = m.replace(cfg, run_name="cut")
     with pytest.raises(KeyboardInterrupt):
         m.train(cut, log=stop_at_30)
-    assert json.loads((tmp_path / "cut" / "results.json").read_text())["status"] == "interrupted"
     assert torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["results"]["steps_done"] == 20
     lines = []
     resumed = m.train(m.replace(cfg, run_name="cut"), log=lines.append)
@@ -802,7 +825,7 @@ def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
     summary = m.sweep(base, widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
     assert [r["d_model"] for r in summary["rows"]] == [8, 16]
     for row in summary["rows"]:
-        accs = row["acc_by_lr"]
+        accs = {lr: s["acc"] for lr, s in row["acc_by_lr"].items()}
         assert set(accs) == {"0.0001", "0.03"} and row["acc"] == max(accs.values())
         assert float(row["best_lr"]) in (1e-4, 3e-2) and accs[f"{row['best_lr']:g}"] == row["acc"]
         assert set(row["attribution"]) == {"value", "key", "query"}
@@ -865,9 +888,11 @@ def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     argv = TINY + ["--arch", "based", "--sweep", "--widths", "8", "--lrs", "0", "--out_dir", str(tmp_path / "default")]
     assert m.main(argv) == 0  # lr 0 = the architecture's measured default
     assert json.loads((tmp_path / "default" / "summary.json").read_text())["rows"][0]["best_lr"] == m.DEFAULT_LR["based"]
+    assert m.main(TINY + ["--sweep", "--lrs", "1e-3,-1", "--out_dir", str(tmp_path)]) == 2  # checked as the lr it becomes
+    assert capsys.readouterr().err == "error: lr must be a positive number (or 0 for the default), not -1.0\n"
     with pytest.raises(SystemExit) as e:  # argparse errors exit 2 with one line
-        m.main(TINY + ["--sweep", "--lrs", "1e-3,-1"])
-    assert e.value.code == 2 and "non-negative" in capsys.readouterr().err
+        m.main(TINY + ["--sweep", "--widths", "8,x"])
+    assert e.value.code == 2 and "comma-separated list of numbers, not '8,x'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("L", [1, 7, 40, 200])
@@ -920,7 +945,7 @@ def test_presets_expand_to_the_paper_grids():
     assert [s["d_conv"] for _, s in p["based_conv"]] == ["1", "2", "3", "4", "long"]
     assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
     assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in m.ARCHS]  # one training each
-    assert len({s["seed"] for _, s in p["seeds"]}) >= 3
+    assert [s["arch"] for _, s in p["seeds"]] == list(m.ARCHS) and m.PRESET_GRID["seeds"][2] == (0, 1, 2)
     red = p["reduced"]
     assert {s["arch"] for _, s in red if s["task"] == "ar"} == set(m.ARCHS) == {s["arch"] for _, s in red if s["task"] == "atr"}
     assert {s.get("d_conv") for _, s in red if s["arch"] == "mamba"} == {None, "1", "0"}
@@ -935,7 +960,7 @@ def test_preset_entries_resolve_their_own_schedule_and_default_lr(tmp_path, monk
     monkeypatch.setattr(m, "_quiet_run", lambda cfg: seen.append(cfg) or {"status": "completed", "final_acc": 0.5})
     monkeypatch.setattr(m, "presets", lambda: {"x": [("atr", dict(task="atr", arch="mamba")),
                                                      ("ar", dict(task="ar", arch="based", steps=7))]})
-    m.PRESET_GRID["x"] = ((16,), (0.0,))
+    m.PRESET_GRID["x"] = ((16,), (0.0,), None)
     try:
         summary = m.run_preset("x", dict(out_dir=str(tmp_path)), log=lambda s: None)
     finally:
@@ -945,19 +970,52 @@ def test_preset_entries_resolve_their_own_schedule_and_default_lr(tmp_path, monk
     assert [r["acc"] for r in summary["rows"]] == [50.0, 50.0]
 
 
-def test_preset_runs_sweeps_and_reports_seed_spread(tmp_path, capsys):
+def fake_result(acc, value):
+    """A finished run's results.json with a final accuracy and a layer-1 block_input attribution at the value."""
+    grid = [{"site": "block_input", "layer": 1, "position": k, "attribution": value if k == "value" else 0.0}
+            for k in ("value", "key", "query")]
+    return {"status": "completed", "final_acc": acc, "final_p_answer": acc / 2, "mechanism": {"n_layers": 2, "grid": grid}}
+
+
+def test_seed_sweep_picks_the_rate_on_the_mean_and_averages_mechanisms_over_successes(tmp_path, monkeypatch):
+    table = {(1e-3, 0): (0.95, 1.0), (1e-3, 1): (0.05, 0.2), (1e-3, 2): (0.10, 0.3),   # the best run; mean 36.67
+             (1e-2, 0): (0.70, 1.0), (1e-2, 1): (0.65, 0.8), (1e-2, 2): (0.30, 0.0)}   # mean 55: the best rate
+    monkeypatch.setattr(m, "_quiet_run", lambda cfg: fake_result(*table[cfg.lr, cfg.seed]))
+    base = m.Config(d_model=8, out_dir=str(tmp_path))
+    (row,) = m.sweep(base, widths=(8,), lrs=(1e-3, 1e-2), seeds=(0, 1, 2), log=lambda s: None)["rows"]
+    assert row["best_lr"] == 1e-2 and row["n"] == 3 and row["successes"] == 2
+    assert row["acc"] == pytest.approx(55.0) and row["acc_std"] == pytest.approx(475 ** 0.5)  # deviations 15, 10, -25
+    assert (row["acc_min"], row["acc_max"]) == pytest.approx((30.0, 70.0))
+    assert row["attribution"]["value"] == pytest.approx(0.9), "the mean over the two seeds that succeeded"
+    other = row["acc_by_lr"]["0.001"]
+    assert other["acc"] == pytest.approx(110 / 3) and other["successes"] == 1 and other["acc_max"] == pytest.approx(95)
+    md = (tmp_path / "summary.md").read_text()
+    assert "| 55.00 ± 21.79 | 30.00–70.00 | 2/3 |" in md and "| 36.67 ± 50.58 | 5.00–95.00 | 1/3 |" in md
+
+
+def test_seed_sweep_from_the_command_line_trains_every_seed_in_parallel(tmp_path, capsys):
+    argv = ["--sweep", "--widths", "8", "--lrs", "1e-3", "--seeds", "0,1", "--jobs", "2", "--n_pairs", "3",
+            "--n_keys", "10", "--n_values", "10", "--n_train", "200", "--n_eval", "40", "--steps", "10",
+            "--eval_every", "10", "--no-analyze", "--out_dir", str(tmp_path)]
+    assert m.main(argv) == 0
+    runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert runs == ["ar_attention_d8_l2_lr0.001_s0", "ar_attention_d8_l2_lr0.001_s1"]
+    accs = [100 * json.loads((tmp_path / r / "results.json").read_text())["final_acc"] for r in runs]
+    (row,) = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert row["n"] == 2 and row["acc"] == pytest.approx(sum(accs) / 2)
+    assert m.main(argv[:6] + ["-1", "--out_dir", str(tmp_path)]) == 2
+    assert "seed must be a non-negative integer, not -1" in capsys.readouterr().err
+
+
+def test_preset_runs_sweeps_in_per_entry_folders(tmp_path, capsys):
     real_presets = m.presets
-    m.presets = lambda: {"seeds": [(f"attention_s{s}", dict(task="ar", arch="attention", seed=s)) for s in (0, 1, 2)]}
+    m.presets = lambda: {"two": [("attention", dict(task="ar", arch="attention")), ("based", dict(task="ar", arch="based"))]}
     try:
         base = dict(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=40, steps=10, eval_every=10,
                     target_acc=0, out_dir=str(tmp_path))
-        summary = m.run_preset("seeds", base, widths=(8,), lrs=(1e-3,), jobs=2, log=lambda s: None)
+        summary = m.run_preset("two", base, widths=(8,), lrs=(1e-3,), jobs=2, log=lambda s: None, seeds=(0, 1))
     finally:
         m.presets = real_presets
-    assert [r["label"] for r in summary["rows"]] == ["attention_s0", "attention_s1", "attention_s2"]
-    (spread,) = summary["spread"]
-    accs = torch.tensor([r["acc"] for r in summary["rows"]])
-    assert spread["group"] == "attention" and spread["n"] == 3
-    assert spread["mean"] == pytest.approx(accs.mean().item()) and spread["std"] == pytest.approx(accs.std().item())
-    assert (tmp_path / "attention_s1" / "summary.md").exists() and "| attention | 8 |" in (tmp_path / "summary.md").read_text()
+    assert [(r["label"], r["n"]) for r in summary["rows"]] == [("attention", 2), ("based", 2)]
+    assert (tmp_path / "based" / "summary.md").exists() and "| attention | 8 |" in (tmp_path / "summary.md").read_text()
     assert m.main(["--preset", "nope"]) == 2 and "allowed: ar, atr_easy" in capsys.readouterr().err

@@ -260,6 +260,8 @@ class Grammar:
                     raise OverflowError
             tokens.append(r.choices(range(self.n_terminals), cum_weights=self.head_cum[x])[0])
             parents.append(-1)
+            if len(tokens) > max_tokens:  # the head too: a sentence of max_tokens + 1 once slipped through
+                raise OverflowError
             for c in children:
                 parents[c] = len(tokens) - 1
             return len(tokens) - 1
@@ -1026,7 +1028,8 @@ def verdict(mech, threshold=0.5):
         return {"kind": "direct retrieval", "layer": 0, "reads": {"query": a["block_output", 0, "query"]}}
     reads = {k: a["block_input", r, k] for k in ("value", "key", "next_key", "query")}
     best = max(("value", "key", "next_key"), key=reads.get)
-    kind = "mixed" if reads[best] < threshold else \
+    tie = [reads[k] for k in ("value", "key", "next_key")].count(reads[best]) > 1  # no position stands out
+    kind = "mixed" if reads[best] < threshold or tie else \
         {"value": "induction", "key": "direct retrieval", "next_key": "direct retrieval from the next key"}[best]
     return {"kind": kind, "layer": r, "reads": reads}
 

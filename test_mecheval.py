@@ -1,6 +1,7 @@
 """Tests for mecheval: tasks, model, training loop and command line. Quick on 2 CPU cores."""
 import bisect
 import json
+import math
 import os
 import random
 import subprocess
@@ -44,8 +45,8 @@ def check_ar_split(split, cfg):
     assert (ids[rows, pos["key"]] == query).all(), "the query is the key in context"
     assert (ids[rows, pos["value"]] == answer).all(), "the answer is that key's value"
     assert ((keys == query[:, None]).sum(1) == 1).all(), "the query occurs exactly once in context"
-    assert torch.equal(split.answers, answer) and (pos["answer"] == pos["query"] + 1).all(), \
-        "the trained prediction: the answer is the token after the query"
+    assert torch.equal(split.answers, vals[rows, i]) and (pos["answer"] == pos["query"] + 1).all(), \
+        "the trained prediction: the queried pair's value, the token after the query"
 
 
 def test_ar_layout_and_positions():
@@ -175,6 +176,20 @@ def test_atr_generalisation_split():
     assert len(task.test) == len(task.eval) == 100
     iid = m.make_task(small_atr(n_train=400, n_eval=100))
     assert iid.test is None and not torch.equal(iid.train.input_ids[:50], task.train.input_ids[:50])
+
+
+def test_atr_documents_over_the_longest_allowed_are_redrawn(monkeypatch):
+    cfg = small_atr(atr_setting="medium", n_train=200, n_eval=200)
+    free = m.make_task(cfg)
+    assert int(free.train.lengths.max()) > 24, "the grammar does produce longer documents"
+    monkeypatch.setattr(m, "MAX_LEN", 24)
+    capped = m.make_task(cfg)
+    for split in (capped.train, capped.eval):
+        assert int(split.lengths.max()) <= 24
+        assert ((split.input_ids != m.PAD).sum(1) == split.lengths).all()
+    short = free.train.lengths <= 24  # drawn within the cap: mostly the same document (each has its own stream)
+    same = (capped.train.input_ids[short, :24] == free.train.input_ids[short, :24]).all(1)
+    assert same.float().mean() > 0.9 and not (capped.train.input_ids[~short] == free.train.input_ids[~short, :24]).all(1).any()
 
 
 def test_generalisation_split_trains_once_and_reports_dev_and_test(tmp_path, capsys):
@@ -354,8 +369,8 @@ def test_trained_attention_shows_induction(trained_small_ar):
 
 # ------------------------------------------------------------------------------------ interventions
 
-def tiny_model(arch, n_layers=2, seed=0):
-    cfg = small_ar(arch=arch, d_model=16, n_layers=n_layers, seed=seed, n_eval=6)
+def tiny_model(arch, n_layers=2, seed=0, task=None):
+    cfg = m.replace(task or small_ar(n_eval=6), arch=arch, d_model=16, n_layers=n_layers, seed=seed, run_name="")
     model = m.build_model(cfg, m.make_task(cfg, train=False).vocab_size)
     model.arch = arch
     for p in model.parameters():  # larger weights than the init, so every site matters
@@ -473,20 +488,28 @@ def test_hooks_are_removed_even_when_the_model_raises():
     assert no_hooks(model)
 
 
-def test_mechanism_batched_equals_one_document_at_a_time():
-    cfg, model = tiny_model("attention")
+@pytest.mark.parametrize("task_name", ["ar", "atr"])
+def test_mechanism_batched_equals_one_document_at_a_time(task_name):
+    """The batched grid against one unpadded document at a time; ATR's documents differ in length, so the
+    batch is padded and its positions differ per document."""
+    cfg, model = tiny_model("attention") if task_name == "ar" else tiny_model("attention", task=small_atr(n_eval=8))
     task = m.make_task(cfg, train=False)
+    forwards = []
+    model.embed.register_forward_hook(lambda *args: forwards.append(1))  # every forward embeds its tokens once
     mech = m.mechanism(model, task, "key", seed=5)
-    assert mech["forwards"] == 2 + (len(m.SITES) - 1) * 2 * len(m.POSITIONS) == len(mech["grid"]) + 2  # no conv
+    assert len(forwards) == mech["forwards"] == 2 + 6 * 2 * 5  # clean, corrupted, 6 sites x 2 layers x 5 positions
     base = m.corrupt_tokens(task, task.eval, "key", torch.Generator().manual_seed(5))
-    clean, ans, q = task.eval.input_ids, task.eval.answers, task.eval.pos["query"]
-    for cell in mech["grid"][::7]:
+    clean, ans, q, lengths = task.eval.input_ids, task.eval.answers, task.eval.pos["query"], task.eval.lengths
+    if task_name == "atr":
+        assert lengths.min() < lengths.max(), "documents of several lengths, so some are padded"
+    for cell in mech["grid"][::5]:
         pos, ps = task.eval.pos[cell["position"]], []
         for n in range(len(clean)):
             if pos[n] < 0:
                 continue
+            one = slice(n, n + 1), slice(0, int(lengths[n]))
             with torch.no_grad():
-                logits = m.interchange(model, base[n:n + 1], clean[n:n + 1], cell["site"], cell["layer"], pos[n:n + 1])
+                logits = m.interchange(model, base[one], clean[one], cell["site"], cell["layer"], pos[n:n + 1])
             ps.append(logits[0, q[n]].softmax(-1)[ans[n]])
         assert cell["p_patched"] == pytest.approx(torch.stack(ps).mean().item(), rel=1e-5, abs=1e-7)
 
@@ -533,6 +556,27 @@ def test_verdict_reads_the_grid_like_the_paper():
     assert "block_input" in table and "█  0.95" in table and table.count("\n") == 2 + 2 * len(m.SITES)
 
 
+B1 = lambda k: ("block_input", 1, k)  # the cell the 2-layer verdict reads, at position k
+LAST = {("block_output", 1, "query"): 1.0}
+
+
+@pytest.mark.parametrize("cells, p_corrupt, want", [
+    ({**LAST, B1("value"): 0.5}, 0.1, ("induction", 1)),                      # exactly the threshold counts
+    ({**LAST, B1("value"): 0.4999}, 0.1, ("mixed", 1)),                       # just under it does not
+    ({**LAST, B1("value"): 0.6, B1("key"): 0.6}, 0.1, ("mixed", 1)),          # a tie names no position
+    ({**LAST, B1("key"): 0.7, B1("next_key"): 0.7}, 0.1, ("mixed", 1)),
+    ({**LAST, B1("value"): -0.2, B1("key"): -0.3, B1("next_key"): -0.1, B1("query"): -0.5}, 0.1, ("mixed", 1)),
+    ({B1("value"): 0.9}, 0.1, ("induction", 1)),                              # no layer decides: the last block
+    ({("block_output", 0, "query"): 0.5, B1("value"): 0.9}, 0.1, ("direct retrieval", 0)),  # exactly 0.5 decides
+    ({**LAST, B1("value"): 0.9}, 0.9, ("no verdict", None)),                  # the corruption does not hurt
+    ({**LAST, B1("value"): 0.9}, 0.95, ("no verdict", None)),                 # it helps
+    ({**LAST, B1("value"): 0.9}, 0.88, ("induction", 1)),                     # it hurts by 0.02
+])
+def test_verdict_edge_cases(cells, p_corrupt, want):
+    v = m.verdict(fake_mech(2, cells, p_clean=0.9, p_corrupt=p_corrupt))
+    assert (v["kind"], v["layer"]) == want
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 
 @pytest.mark.parametrize("argv, words", [
@@ -544,6 +588,13 @@ def test_verdict_reads_the_grid_like_the_paper():
     (["--atr_split", "gen"], ["atr_split", "task=ar"]),
     (["--batch_size", "64", "--n_train", "10"], ["batch_size=64", "n_train=10"]),
     (["--lr", "-1"], ["lr", "-1"]),
+    (["--warmup", "1"], ["warmup", "[0, 1)", "1.0"]),
+    (["--target_acc", "1.5"], ["target_acc", "[0, 1]", "1.5"]),
+    (["--task", "atr", "--atr_split", "gen", "--atr_heldout", "0"], ["atr_heldout", "(0, 1)", "0.0"]),
+    (["--pos_emb", "yes"], ["pos_emb", "yes", "auto, on, off"]),
+    (["--batch_order", "random"], ["batch_order", "random", "shuffle, fixed"]),
+    (["--sweep", "--jobs", "0"], ["--jobs", "at least 1", "0"]),
+    (["--sweep", "--widths", "16,0"], ["d_model", "0"]),
 ])
 def test_cli_rejects_bad_values(argv, words, capsys, tmp_path):
     assert m.main(argv + ["--out_dir", str(tmp_path)]) == 2
@@ -578,9 +629,11 @@ def test_cli_end_to_end_and_load_round_trip(tmp_path, capsys):
     assert "step     10/30" in out and "ms/step" in out and "wrong:" in out
     assert m.main(["--load", str(run)]) == 0
     assert f"eval acc {res['final_acc']:.4f}" in capsys.readouterr().out
-    assert m.main(["--load", str(run), "--analyze"]) == 0
+    (run / "results.json").write_text(json.dumps({k: v for k, v in res.items() if k != "mechanism"}))
+    assert m.main(["--load", str(run), "--analyze"]) == 0  # computes the grid again and writes it back
     assert "verdict:" in capsys.readouterr().out
-    assert json.loads((run / "results.json").read_text())["mechanism"]["grid"] == res["mechanism"]["grid"]
+    again = json.loads((run / "results.json").read_text())
+    assert again["mechanism"]["grid"] == res["mechanism"]["grid"] and again["history"] == res["history"]
     cfg2, model = m.load_run(str(run))
     assert m.evaluate(model, m.make_task(cfg2, train=False).eval)["acc"] == res["final_acc"]
 
@@ -641,9 +694,56 @@ def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
     assert res["status"] == "nonfinite" and (tmp_path / "nan" / "config.json").exists()
 
 
-@pytest.mark.parametrize("order", ["shuffle", "fixed"])
-def test_interrupted_run_resumes_on_the_same_trajectory(order, tmp_path, capsys):
-    cfg = small_atr(arch="mamba", d_model=16, steps=60, eval_every=10, target_acc=0, analyze=False,
+def fail_from_call(monkeypatch, n, what):
+    """Make train_step's n-th call (and later ones) raise KeyboardInterrupt, or return NaN after setting
+    every weight to NaN, as a diverging step would."""
+    real, calls = m.train_step, []
+
+    def step(model, optimizer, *batch):
+        calls.append(1)
+        if len(calls) >= n and what == "interrupt":
+            raise KeyboardInterrupt
+        loss = real(model, optimizer, *batch)
+        if len(calls) >= n:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+            return loss * float("nan")
+        return loss
+    monkeypatch.setattr(m, "train_step", step)
+    return calls
+
+
+def test_nan_after_a_checkpoint_stops_and_keeps_that_checkpoint(tmp_path, capsys, monkeypatch):
+    fail_from_call(monkeypatch, 15, "nan")
+    assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "nan"]) == 1  # evaluations at 10, 20, 30
+    err = capsys.readouterr().err.strip()
+    assert "between steps 11 and 20" in err and "the last good checkpoint" in err and "\n" not in err
+    monkeypatch.undo()
+    res = json.loads((tmp_path / "nan" / "results.json").read_text())
+    assert res["status"] == "nonfinite" and res["steps_done"] == 10 and [h["step"] for h in res["history"]] == [10]
+    ckpt = torch.load(tmp_path / "nan" / "model.pt", weights_only=True)
+    assert ckpt["step"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    cfg, model = m.load_run(str(tmp_path / "nan"))
+    assert m.evaluate(model, m.make_task(cfg, train=False).eval)["acc"] == res["history"][0]["acc"]
+
+
+def test_ctrl_c_exits_130_and_the_same_command_continues(tmp_path, capsys, monkeypatch):
+    argv = TINY + ["--out_dir", str(tmp_path), "--run_name", "cut", "--no-analyze"]
+    fail_from_call(monkeypatch, 15, "interrupt")
+    assert m.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted; the run folder keeps the last checkpoint") and err.count("\n") == 1
+    assert torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["step"] == 10
+    monkeypatch.undo()
+    assert m.main(argv) == 0
+    assert f"resuming {tmp_path / 'cut'} from its checkpoint at step 10 of 30" in capsys.readouterr().out
+    assert json.loads((tmp_path / "cut" / "results.json").read_text())["steps_done"] == 30
+
+
+@pytest.mark.parametrize("arch, order", [("mamba", "shuffle"), ("attention", "fixed")])
+def test_interrupted_run_resumes_on_the_same_trajectory(arch, order, tmp_path, capsys):
+    cfg = small_atr(arch=arch, d_model=16, steps=60, eval_every=10, target_acc=0, analyze=False,
                     out_dir=str(tmp_path), run_name="whole", batch_order=order)
     whole = m.train(cfg, log=lambda s: None)
 
@@ -663,16 +763,21 @@ def test_interrupted_run_resumes_on_the_same_trajectory(order, tmp_path, capsys)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit for bit on a CPU
     # a run folder of other settings is refused, and what it holds stays as it was
     before = (tmp_path / "cut" / "results.json").read_text()
-    argv = ["--task", "atr", "--arch", "mamba", "--out_dir", str(tmp_path), "--run_name", "cut", "--steps", "5"]
+    argv = ["--task", "atr", "--arch", arch, "--out_dir", str(tmp_path), "--run_name", "cut", "--steps", "5"]
     assert m.main(argv) == 2
     err = capsys.readouterr().err
     assert "holds a run with d_model=16, not d_model=64" in err and err.count("\n") == 1
     assert (tmp_path / "cut" / "results.json").read_text() == before
 
 
-def test_device_auto():
-    expected = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    assert m.setup(m.Config(device="auto")) == expected
+@pytest.mark.parametrize("cuda, mps, want", [(True, True, "cuda"), (False, True, "mps"), (False, False, "cpu")])
+def test_device_auto_prefers_cuda_then_mps_then_cpu(cuda, mps, want, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert m.setup(m.Config(device="auto")) == want
+    if not cuda:
+        with pytest.raises(m.ConfigError, match="device 'cuda' was asked for but CUDA is not available here"):
+            m.setup(m.Config(device="cuda"))
 
 
 # -------------------------------------------------------------------------------- kernels and mixers
@@ -680,18 +785,29 @@ def test_device_auto():
 import kernels  # noqa: E402
 
 
-def check_pair(ref, fast, args, rtol=1e-4, atol=1e-5, **kw):
-    """fast equals ref on the output and on every input gradient (one random upstream gradient)."""
-    args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
-    y_ref = ref(*args, **kw)
-    gy = torch.randn_like(y_ref)
-    g_ref = torch.autograd.grad(y_ref, args, gy)
-    y_fast = fast(*args, **kw)
-    g_fast = torch.autograd.grad(y_fast, args, gy)
-    scale = lambda t: atol * max(1.0, t.abs().max().item())  # fp32 rounding grows with the magnitude
-    torch.testing.assert_close(y_fast, y_ref, rtol=rtol, atol=scale(y_ref), msg="output")
-    for i, (a, b) in enumerate(zip(g_fast, g_ref)):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=scale(b), msg=f"gradient of input {i}")
+def check_pair(ref, fast, args, rtol=1e-4, atol=1e-5, dtypes=(torch.float64, torch.float32), **kw):
+    """fast equals ref on the output and on every input gradient (one random upstream gradient). In float64
+    entry by entry (the same arithmetic in another order agrees to ~1e-12); in float32, the form the models
+    run, to the rounding that each tensor's magnitude allows (a sum of large terms loses small entries)."""
+    gy = None
+    for dtype in dtypes:
+        xs = [a.detach().to(dtype if a.is_floating_point() else a.dtype).requires_grad_(a.is_floating_point())
+              for a in args]
+        y_ref = ref(*xs, **kw)
+        gy = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype)
+        g_ref = torch.autograd.grad(y_ref, xs, gy)
+        y_fast = fast(*xs, **kw)
+        g_fast = torch.autograd.grad(y_fast, xs, gy)
+        if dtype == torch.float64:
+            tol = dict(rtol=1e-7, atol=1e-9)
+            torch.testing.assert_close(y_fast, y_ref, **tol, msg="output, float64")
+            for i, (a, b) in enumerate(zip(g_fast, g_ref)):
+                torch.testing.assert_close(a, b, **tol, msg=f"gradient of input {i}, float64")
+        else:
+            scale = lambda t: atol * max(1.0, t.abs().max().item())
+            torch.testing.assert_close(y_fast, y_ref, rtol=rtol, atol=scale(y_ref), msg="output")
+            for i, (a, b) in enumerate(zip(g_fast, g_ref)):
+                torch.testing.assert_close(a, b, rtol=rtol, atol=scale(b), msg=f"gradient of input {i}")
 
 
 @pytest.mark.parametrize("op", sorted(kernels.PAIRS))
@@ -745,7 +861,7 @@ def test_compiled_equals_eager():
             ref, fast = kernels.PAIRS[op]
             args = kernels._inputs(op, 2, 9, 8, gen)
             kernels.set_compile(True)
-            check_pair(ref, fast, args)
+            check_pair(ref, fast, args, dtypes=(torch.float32,))
     finally:
         kernels.set_compile(False)
     assert all(c is not f for f, c in kernels._COMPILE["cache"].items()), "compilation fell back to eager"
@@ -773,18 +889,32 @@ def test_mixer_parameter_counts_match_the_paper(arch, d_conv):
 
 @pytest.mark.parametrize("arch", sorted(m.ARCHS))
 def test_every_architecture_is_strictly_causal(arch):
-    cfg = m.Config(arch=arch, d_model=32)
-    model = m.build_model(cfg, 40)
-    ids = torch.randint(3, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    """Changing token t leaves every earlier logit bit for bit the same: each mixer reads only the past, so
+    nothing even rounds differently (at L <= 128 the long convolutions are Toeplitz matmuls). Weights larger
+    than the init, so that a leak could not hide in the rounding."""
+    _, model = tiny_model(arch)
+    ids = torch.randint(3, 53, (2, 23), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids)
         for t in (0, 9, 22):
             ids2 = ids.clone()
-            ids2[:, t] = (ids2[:, t] - 3 + 1) % 37 + 3
+            ids2[:, t] = (ids2[:, t] - 3 + 1) % 50 + 3
             logits2 = model(ids2)
-            before = (logits2[:, :t] - logits[:, :t]).abs().max().item() if t else 0.0
-            assert before < 1e-5, f"{arch}: changing token {t} moved earlier logits by {before}"
-            assert (logits2[:, t] - logits[:, t]).abs().max() > 1e-4, f"{arch}: token {t} has no effect"
+            assert torch.equal(logits2[:, :t], logits[:, :t]), f"{arch}: token {t} moved earlier logits"
+            assert (logits2[:, t] - logits[:, t]).abs().max() > 1e-3, f"{arch}: token {t} has no effect"
+
+
+@pytest.mark.parametrize("arch", ["base_conv", "hyena", "h3"])
+def test_long_convolutions_are_causal_on_the_fft_path(arch):
+    """Past L=128 a long convolution runs as an FFT of size 2L, whose rounding spreads over all positions:
+    earlier logits move only at the rounding level (a circular FFT would leak ~1e-2 here)."""
+    _, model = tiny_model(arch)
+    ids = torch.randint(3, 53, (2, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)
+        ids[:, 100] = (ids[:, 100] - 3 + 1) % 50 + 3
+        moved = (model(ids) - logits).abs().amax(dim=(0, 2))        # (L,)
+    assert moved[:100].max() < 1e-5 * logits.abs().max() and moved[100] > 1e-3, (moved[:100].max(), moved[100])
 
 
 def loss_falls(cfg, tmp_path):
@@ -795,15 +925,45 @@ def loss_falls(cfg, tmp_path):
     return res
 
 
+def learns_ar(cfg, tmp_path):
+    """Learning on a small AR (2 pairs, 16 values), not only the answer's class: a model that learned just that
+    the answer is some value ends at loss ln 16 = 2.77 and 1/16 accuracy (so does one whose mixer output is
+    zeroed). Each architecture here ends at loss <= 2.21 and accuracy >= 0.22 (measured, seed 0)."""
+    res = loss_falls(dict(n_pairs=2, n_keys=16, n_values=16, n_train=2000, lr=1e-2, **cfg), tmp_path)
+    assert res["history"][-1]["loss"] < math.log(16) - 0.4 and res["final_acc"] >= 2 / 16, (cfg, res["history"])
+
+
 @pytest.mark.parametrize("arch", sorted(m.ARCHS))
-def test_every_architecture_trains_on_small_ar_and_atr(arch, tmp_path):
-    loss_falls(dict(arch=arch, n_pairs=4, n_keys=32, n_values=32, n_train=2000), tmp_path)
+def test_every_architecture_learns_small_ar_and_atr(arch, tmp_path):
+    learns_ar(dict(arch=arch), tmp_path)
     loss_falls(dict(arch=arch, task="atr", n_train=2000), tmp_path)
 
 
-@pytest.mark.parametrize("arch, d_conv", [("mamba", w) for w in "01234"] + [("based", w) for w in ["1", "2", "3", "4", "long"]])
-def test_conv_width_ablations_build_run_and_train(arch, d_conv, tmp_path):
-    loss_falls(dict(arch=arch, d_conv=d_conv, n_pairs=4, n_keys=32, n_values=32, n_train=2000), tmp_path)
+ABLATIONS = [("mamba", w) for w in "01234"] + [("based", w) for w in ["1", "2", "3", "4", "long"]]
+
+
+@pytest.mark.parametrize("arch, d_conv", ABLATIONS)
+def test_conv_width_ablations_set_the_receptive_field(arch, d_conv):
+    """--d_conv K: a change of token 4 reaches layer 0's conv_output at positions 4 .. 4+K-1 and no further;
+    0 (Mamba) leaves no short convolution; long (Based) reaches every later position of the mixer's output."""
+    cfg = m.replace(small_ar(n_eval=6), arch=arch, d_conv=d_conv, d_model=16, run_name="")
+    model = m.build_model(cfg, 53)
+    ids = torch.randint(3, 53, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids2 = ids.clone()
+    ids2[:, 4] = (ids2[:, 4] - 3 + 1) % 50 + 3
+    site = ("conv_output", 0) if d_conv not in ("0", "long") else ("mixer_output", 0)
+    assert (("conv_output", 0) in m.model_cells(model)) == (site[0] == "conv_output")
+    acts = []
+    with torch.no_grad(), m.hooks(model, {site: acts.append}):
+        assert torch.isfinite(model(ids)).all()
+        model(ids2)
+    moved = ((acts[0] - acts[1]).abs().amax(dim=(0, 2)) > 0).tolist()  # (L,) which positions the change reached
+    reach = 12 if d_conv in ("0", "long") else 4 + int(d_conv)  # Mamba without a conv: its scan reaches all
+    assert moved == [4 <= t < reach for t in range(12)]
+
+
+def test_a_conv_width_ablation_trains(tmp_path):
+    learns_ar(dict(arch="mamba", d_conv="2"), tmp_path)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -819,41 +979,58 @@ def test_invalid_conv_widths_are_rejected(argv, words, capsys, tmp_path):
 
 # ------------------------------------------------------------------------------------------- sweeps
 
-def test_sweep_selects_best_lr_resumes_and_summarises(tmp_path, capsys):
+def test_sweep_selects_the_best_rate_per_width_and_summarises(tmp_path):
     base = m.Config(n_pairs=3, n_keys=10, n_values=10, n_train=300, n_eval=40, steps=30, eval_every=15,
                     target_acc=0, out_dir=str(tmp_path))
     summary = m.sweep(base, widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
     assert [r["d_model"] for r in summary["rows"]] == [8, 16]
-    for row in summary["rows"]:
-        accs = {lr: s["acc"] for lr, s in row["acc_by_lr"].items()}
-        assert set(accs) == {"0.0001", "0.03"} and row["acc"] == max(accs.values())
-        assert float(row["best_lr"]) in (1e-4, 3e-2) and accs[f"{row['best_lr']:g}"] == row["acc"]
-        assert set(row["attribution"]) == {"value", "key", "query"}
+    for row in summary["rows"]:  # each run's own results.json decides, independently of the summary code
+        runs = {lr: json.loads((tmp_path / f"ar_attention_d{row['d_model']}_l2_lr{lr:g}_s0" / "results.json").read_text())
+                for lr in (1e-4, 3e-2)}
+        best = max(runs, key=lambda lr: (runs[lr]["final_acc"], runs[lr]["final_p_answer"]))
+        assert row["best_lr"] == best and row["acc"] == 100 * runs[best]["final_acc"]
+        assert {lr: s["acc"] for lr, s in row["acc_by_lr"].items()} == {f"{lr:g}": 100 * r["final_acc"]
+                                                                         for lr, r in runs.items()}
+        value = next(g["attribution"] for g in runs[best]["mechanism"]["grid"]
+                     if (g["site"], g["layer"], g["position"]) == ("block_input", 1, "value"))
+        assert row["attribution"]["value"] == value
     assert summary["rows"][0]["paper_acc"] is None  # the paper has no d=8
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert "| 16 |" in (tmp_path / "summary.md").read_text()
-    # resume: a killed run (results.json still 'running') is trained again, finished ones are reused
-    killed = os.path.join(str(tmp_path), summary["rows"][0]["run"], "results.json")
-    res = json.loads(open(killed).read())
-    res["status"] = "running"
-    open(killed, "w").write(json.dumps(res))
-    trained = []
-    real_train = m.train
-    m.train = lambda cfg, log=print: trained.append(cfg.run_name) or real_train(cfg, log=log)
-    try:
-        again = m.sweep(base, widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
-    finally:
-        m.train = real_train
-    assert trained == [summary["rows"][0]["run"]]
-    trained.clear()  # the same folder spelled another way (relative vs absolute) is the same sweep
-    m.train = lambda cfg, log=print: trained.append(cfg.run_name) or real_train(cfg, log=log)
-    try:
-        m.sweep(m.replace(base, out_dir=os.path.relpath(str(tmp_path))), widths=(8, 16), lrs=(1e-4, 3e-2), log=lambda s: None)
-    finally:
-        m.train = real_train
-    assert trained == []
-    drop = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # retrained: new time
-    assert drop(again["rows"]) == drop(summary["rows"])
+
+
+def test_sweep_resumes_a_run_cut_mid_way_and_reuses_finished_ones(tmp_path, monkeypatch):
+    base = m.Config(n_pairs=3, n_keys=10, n_values=10, n_train=300, n_eval=40, steps=30, eval_every=10,
+                    target_acc=0, analyze=False)
+    grid = dict(widths=(8,), lrs=(1e-3, 3e-3), log=lambda s: None)
+    whole = m.sweep(m.replace(base, out_dir=str(tmp_path / "whole")), **grid)
+    fail_from_call(monkeypatch, 45, "interrupt")  # the second run, at its step 15: its checkpoint is step 10's
+    with pytest.raises(KeyboardInterrupt):
+        m.sweep(m.replace(base, out_dir=str(tmp_path / "cut")), **grid)
+    monkeypatch.undo()
+    calls = fail_from_call(monkeypatch, 10 ** 9, "interrupt")  # counts steps only
+    again = m.sweep(m.replace(base, out_dir=str(tmp_path / "cut")), **grid)
+    assert len(calls) == 20, "the cut run trains its steps 11-30 only; the finished run is reused"
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]
+    assert drop(again["rows"]) == drop(whole["rows"])
+    histories = [json.loads((tmp_path / d / "ar_attention_d8_l2_lr0.003_s0" / "results.json").read_text())["history"]
+                 for d in ("whole", "cut")]
+    assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]  # the same trajectory
+    calls.clear()  # the same folder spelled another way (relative vs absolute) is the same sweep
+    m.sweep(m.replace(base, out_dir=os.path.relpath(str(tmp_path / "cut"))), **grid)
+    assert calls == []
+
+
+def test_a_nan_run_in_a_sweep_is_a_finished_result(tmp_path, monkeypatch):
+    base = m.Config(n_pairs=3, n_keys=10, n_values=10, n_train=300, n_eval=40, steps=20, eval_every=10,
+                    target_acc=0, analyze=False, out_dir=str(tmp_path))
+    summary = m.sweep(base, widths=(8,), lrs=(1e-3, 1e30), log=lambda s: None)
+    nan = json.loads((tmp_path / "ar_attention_d8_l2_lr1e+30_s0" / "results.json").read_text())
+    assert nan["status"] == "nonfinite" and summary["rows"][0]["best_lr"] == 1e-3
+    assert summary["rows"][0]["acc_by_lr"]["1e+30"]["acc"] == 100 * nan.get("final_acc", 0.0)
+    calls = fail_from_call(monkeypatch, 10 ** 9, "interrupt")
+    m.sweep(base, widths=(8,), lrs=(1e-3, 1e30), log=lambda s: None)
+    assert calls == [], "a NaN run is not trained again"
 
 
 def test_plot_draws_a_sweep_folder(tmp_path, capsys, monkeypatch):
@@ -902,11 +1079,16 @@ def test_h3_ssm_kernel_matches_the_complex_formula(L):
         h3.inv_A_real.uniform_(-2, 1)
         h3.log_dt.uniform_(-5, -1)
     params = [h3.log_dt, h3.inv_A_real, h3.A_imag, h3.B, h3.C]
-    A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)  # the mixer's parameters, as the docstring's formula
     want = kernels.ssm_kernel_ref(h3.log_dt.exp(), -h3.inv_A_real.exp(), h3.A_imag, h3.B, h3.C, L)
-    dt, B, C = h3.log_dt.exp()[:, None], torch.view_as_complex(h3.B), torch.view_as_complex(h3.C)
-    lam, Ct = (1 + dt * A / 2) / (1 - dt * A / 2), C * B * dt / (1 - dt * A / 2)  # the last lag, written out
-    torch.testing.assert_close(want[:, L - 1], 2 * (Ct * lam ** (L - 1)).sum(1).real, rtol=1e-9, atol=1e-9)
+    with torch.no_grad():  # independently: the impulse response of the bilinear (Tustin) discretisation, step by step
+        A = torch.complex(-h3.inv_A_real.exp(), h3.A_imag)  # (H, N/2), one of each conjugate pair
+        dt, B, C = h3.log_dt.exp()[:, None], torch.view_as_complex(h3.B), torch.view_as_complex(h3.C)
+        A_bar, B_bar = (1 + dt * A / 2) / (1 - dt * A / 2), dt * B / (1 - dt * A / 2)
+        state, impulse = B_bar, []                                  # x_0 = B̄ u_0 with u = (1, 0, 0, ...)
+        for _ in range(L):
+            impulse.append(2 * (C * state).sum(1).real)             # y = Re(C x) over conjugate pairs
+            state = A_bar * state                                   # x_t = Ā x_{t-1}
+        torch.testing.assert_close(want, torch.stack(impulse, 1), rtol=1e-9, atol=1e-9)
     got = h3.ssm_kernel(L)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     w = torch.randn_like(want)
@@ -933,21 +1115,25 @@ def test_h3_shift_kernel_is_the_cross_correlation(d_state, L):
 
 def test_bench_steps_times_every_architecture(capsys):
     times = m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4), n=1)
-    assert set(times) == set(m.ARCHS) and all(t > 0 for t in times.values())
-    assert "x attention" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [l.split()[0] for l in lines] == list(times) == ["attention", "based", "base_conv", "hyena", "h3", "mamba",
+                                                            "deltanet"]
+    for line, (arch, t) in zip(lines, times.items()):
+        assert line.split()[1] == f"{t:.2f}" and line.split()[3] == f"{t / times['attention']:.2f}x"
 
 
 def test_presets_expand_to_the_paper_grids():
     p = m.presets()
-    assert [s["arch"] for _, s in p["ar"]] == list(m.ARCHS) and all(s["task"] == "ar" for _, s in p["ar"])
+    seven = ["attention", "based", "base_conv", "hyena", "h3", "mamba", "deltanet"]
+    assert [s["arch"] for _, s in p["ar"]] == seven and all(s["task"] == "ar" for _, s in p["ar"])
     assert {s["atr_setting"] for k in ("atr_easy", "atr_medium", "atr_8192") for _, s in p[k]} == set(m.ATR_SETTINGS)
     assert [s["d_conv"] for _, s in p["mamba_conv"]] == ["0", "1", "2", "3", "4"]
     assert [s["d_conv"] for _, s in p["based_conv"]] == ["1", "2", "3", "4", "long"]
     assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
-    assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in m.ARCHS]  # one training each
-    assert [s["arch"] for _, s in p["seeds"]] == list(m.ARCHS) and m.PRESET_GRID["seeds"][2] == (0, 1, 2)
+    assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in seven]  # one training each
+    assert [s["arch"] for _, s in p["seeds"]] == seven and m.PRESET_GRID["seeds"][2] == (0, 1, 2)
     red = p["reduced"]
-    assert {s["arch"] for _, s in red if s["task"] == "ar"} == set(m.ARCHS) == {s["arch"] for _, s in red if s["task"] == "atr"}
+    assert {s["arch"] for _, s in red if s["task"] == "ar"} == set(seven) == {s["arch"] for _, s in red if s["task"] == "atr"}
     assert {s.get("d_conv") for _, s in red if s["arch"] == "mamba"} == {None, "1", "0"}
     assert ("ar_based_long", dict(task="ar", arch="based", d_conv="long", steps=20_000)) in red
     for runs in p.values():  # every entry is a valid config
@@ -993,8 +1179,8 @@ def test_seed_sweep_picks_the_rate_on_the_mean_and_averages_mechanisms_over_succ
     assert "| 55.00 ± 21.79 | 30.00–70.00 | 2/3 |" in md and "| 36.67 ± 50.58 | 5.00–95.00 | 1/3 |" in md
 
 
-def test_seed_sweep_from_the_command_line_trains_every_seed_in_parallel(tmp_path, capsys):
-    argv = ["--sweep", "--widths", "8", "--lrs", "1e-3", "--seeds", "0,1", "--jobs", "2", "--n_pairs", "3",
+def test_seed_sweep_from_the_command_line_trains_every_seed(tmp_path, capsys):
+    argv = ["--sweep", "--widths", "8", "--lrs", "1e-3", "--seeds", "0,1", "--n_pairs", "3",
             "--n_keys", "10", "--n_values", "10", "--n_train", "200", "--n_eval", "40", "--steps", "10",
             "--eval_every", "10", "--no-analyze", "--out_dir", str(tmp_path)]
     assert m.main(argv) == 0
@@ -1007,15 +1193,21 @@ def test_seed_sweep_from_the_command_line_trains_every_seed_in_parallel(tmp_path
     assert "seed must be a non-negative integer, not -1" in capsys.readouterr().err
 
 
-def test_preset_runs_sweeps_in_per_entry_folders(tmp_path, capsys):
-    real_presets = m.presets
-    m.presets = lambda: {"two": [("attention", dict(task="ar", arch="attention")), ("based", dict(task="ar", arch="based"))]}
-    try:
-        base = dict(n_pairs=3, n_keys=10, n_values=10, n_train=200, n_eval=40, steps=10, eval_every=10,
-                    target_acc=0, out_dir=str(tmp_path))
-        summary = m.run_preset("two", base, widths=(8,), lrs=(1e-3,), jobs=2, log=lambda s: None, seeds=(0, 1))
-    finally:
-        m.presets = real_presets
-    assert [(r["label"], r["n"]) for r in summary["rows"]] == [("attention", 2), ("based", 2)]
-    assert (tmp_path / "based" / "summary.md").exists() and "| attention | 8 |" in (tmp_path / "summary.md").read_text()
+def test_preset_from_the_command_line_sweeps_each_entry_into_its_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(m, "presets", lambda: {"two": [("attention", dict(task="ar", arch="attention")),
+                                                       ("deltanet", dict(task="ar", arch="deltanet"))]})
+    monkeypatch.setitem(m.PRESET_GRID, "two", ((8,), (1e-3,), None))
+    argv = ["--preset", "two", "--jobs", "2", "--seeds", "0,1", "--n_pairs", "3", "--n_keys", "10", "--n_values", "10",
+            "--n_train", "200", "--n_eval", "40", "--steps", "10", "--eval_every", "10", "--no-analyze",
+            "--out_dir", str(tmp_path)]
+    assert m.main(argv) == 0
+    assert "preset two: 2 sweep(s), 4 runs" in capsys.readouterr().out
+    for arch in ("attention", "deltanet"):
+        for seed in (0, 1):
+            res = json.loads((tmp_path / arch / f"ar_{arch}_d8_l2_lr0.001_s{seed}" / "results.json").read_text())
+            assert res["status"] == "completed" and res["config"]["steps"] == 10
+        assert "| 8 |" in (tmp_path / arch / "summary.md").read_text()
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert [(r["label"], r["n"]) for r in rows] == [("attention", 2), ("deltanet", 2)]
+    monkeypatch.undo()
     assert m.main(["--preset", "nope"]) == 2 and "allowed: ar, atr_easy" in capsys.readouterr().err

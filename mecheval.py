@@ -891,8 +891,7 @@ def short_conv_of(mixer):
 
 
 def site_module(model, site, layer, strict=True):
-    """The module whose input or output is `site` of block `layer`; with strict=False None where the block
-    has no such site (Mamba blocks have no MLP; conv_output exists where the mixer has a short convolution)."""
+    """The module whose input or output is `site` of block `layer`, or with strict=False None where it has none."""
     if site not in SITES:
         raise ValueError(f"unknown site '{site}'; allowed: {', '.join(SITES)}")
     if not 0 <= layer < len(model.blocks):
@@ -1385,7 +1384,8 @@ def seed_stats(runs):
         return {k: np.mean(v).item() if v else None for k, v in values.items()}
     out = {"acc": np.mean(acc).item(), "acc_std": np.std(acc, ddof=1).item() if len(acc) > 1 else None,
            "acc_min": min(acc), "acc_max": max(acc), "n": len(acc), "successes": sum(a >= 50 for a in acc),
-           "p_answer": np.mean([r.get("final_p_answer", 0.0) for r in runs]).item(), "attribution": mean_reads("mechanism")}
+           "p_answer": np.mean([r.get("final_p_answer", 0.0) for r in runs]).item(),
+           "attribution": mean_reads("mechanism")}
     if all("test_acc" in r for r in runs):
         out.update(test_acc=np.mean(pct("test_acc")).item(), test_attribution=mean_reads("mechanism_test"))
     return out
@@ -1432,8 +1432,9 @@ def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None
     in each entry's folder."""
     grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
               for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
+    every = lambda name: sorted({getattr(c, name) for g in grids for c in g})
     log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
-        f"{sorted({c.lr for g in grids for c in g})} x seeds {sorted({c.seed for g in grids for c in g})}, in {out_dir}")
+        f"{every('lr')} x seeds {every('seed')}, in {out_dir}")
     results, rows = run_all([c for g in grids for c in g], jobs, log), []
     for (label, cfg), grid in zip(entries, grids):
         res, results = results[:len(grid)], results[len(grid):]

@@ -1217,7 +1217,7 @@ def open_run_folder(cfg):
 
 # Settings that do not change a trained model: given with --load they replace the saved ones. Any other
 # setting given with --load must match the checkpoint's.
-EVAL_ONLY_FIELDS = ("device", "n_eval", "out_dir", "analyze")
+EVAL_ONLY_FIELDS = ("device", "n_eval", "out_dir", "analyze", "corrupt")
 
 
 def load_run(run_dir, expect=None):

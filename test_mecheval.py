@@ -634,6 +634,9 @@ def test_cli_end_to_end_and_load_round_trip(tmp_path, capsys):
     assert "verdict:" in capsys.readouterr().out
     again = json.loads((run / "results.json").read_text())
     assert again["mechanism"]["grid"] == res["mechanism"]["grid"] and again["history"] == res["history"]
+    assert m.main(["--load", str(run), "--corrupt", "value", "--analyze"]) == 0  # an analysis setting, not a training one
+    assert json.loads((run / "results.json").read_text())["mechanism"]["corrupt"] == "value"
+    assert "value corrupted" in capsys.readouterr().out
     cfg2, model = m.load_run(str(run))
     assert m.evaluate(model, m.make_task(cfg2, train=False).eval)["acc"] == res["final_acc"]
 

@@ -1200,17 +1200,17 @@ def test_preset_from_the_command_line_sweeps_each_entry_into_its_folder(tmp_path
     monkeypatch.setattr(m, "presets", lambda: {"two": [("attention", dict(task="ar", arch="attention")),
                                                        ("deltanet", dict(task="ar", arch="deltanet"))]})
     monkeypatch.setitem(m.PRESET_GRID, "two", ((8,), (1e-3,), None))
-    argv = ["--preset", "two", "--jobs", "2", "--seeds", "0,1", "--n_pairs", "3", "--n_keys", "10", "--n_values", "10",
+    argv = ["--preset", "two", "--jobs", "2", "--seeds", "1", "--n_pairs", "3", "--n_keys", "10", "--n_values", "10",
             "--n_train", "200", "--n_eval", "40", "--steps", "10", "--eval_every", "10", "--no-analyze",
             "--out_dir", str(tmp_path)]
     assert m.main(argv) == 0
-    assert "preset two: 2 sweep(s), 4 runs" in capsys.readouterr().out
+    assert "preset two: 2 sweep(s), 2 runs" in capsys.readouterr().out
     for arch in ("attention", "deltanet"):
-        for seed in (0, 1):
-            res = json.loads((tmp_path / arch / f"ar_{arch}_d8_l2_lr0.001_s{seed}" / "results.json").read_text())
-            assert res["status"] == "completed" and res["config"]["steps"] == 10
+        res = json.loads((tmp_path / arch / f"ar_{arch}_d8_l2_lr0.001_s1" / "results.json").read_text())
+        assert res["status"] == "completed" and res["config"]["steps"] == 10
         assert "| 8 |" in (tmp_path / arch / "summary.md").read_text()
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
-    assert [(r["label"], r["n"]) for r in rows] == [("attention", 2), ("deltanet", 2)]
+    assert [(r["label"], r["n"], r["run"]) for r in rows] == [("attention", 1, "ar_attention_d8_l2_lr0.001_s1"),
+                                                              ("deltanet", 1, "ar_deltanet_d8_l2_lr0.001_s1")]
     monkeypatch.undo()
     assert m.main(["--preset", "nope"]) == 2 and "allowed: ar, atr_easy" in capsys.readouterr().err

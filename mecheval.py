@@ -260,7 +260,7 @@ class Grammar:
                     raise OverflowError
             tokens.append(r.choices(range(self.n_terminals), cum_weights=self.head_cum[x])[0])
             parents.append(-1)
-            if len(tokens) > max_tokens:  # the head too: a sentence of max_tokens + 1 once slipped through
+            if len(tokens) > max_tokens:  # the head counts too, or a sentence could end at max_tokens + 1
                 raise OverflowError
             for c in children:
                 parents[c] = len(tokens) - 1

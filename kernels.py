@@ -3,43 +3,23 @@ kernels.py: the expensive sequence operations of mecheval's mixers, each as a pl
 definition you learn from) beside a fast form that gives the same outputs and gradients.
 
     op                  reference (definition)                 fast form
-    short_conv          shift-and-add over the k taps          depthwise F.conv1d (compiled: shift-and-add)
+    short_conv          shift-and-add over the k taps          depthwise F.conv1d, backward written out
     long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 128), rfft / irfft (n = 2L)
     based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
     ssm_kernel          H3's S4D kernel by complex powers      real arithmetic, baby-step giant-step powers
-    selective_scan      Mamba-1 loop indexing (B, L, E, N)     per-step loop on (B, E, N) slices
+    selective_scan      Mamba-1 loop indexing (B, L, E, N)     loop on (B, E, N) slices; Hillis-Steele scan
     delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
 
 Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the short and the
 Toeplitz convolutions, whose backward is written out (checked with gradcheck in the tests).
-`python kernels.py` benchmarks reference vs fast (eager and compiled) forward + backward.
-
-torch.compile: set_compile(True) compiles the loop-free fast forms (short_conv, based_attention) on first
-use; a failure to compile raises. FFTs and Python loops stay eager
-(inductor does not fuse complex ops, and compiling unrolled loops costs minutes on a CPU).
+`python kernels.py` benchmarks reference vs fast forward + backward. mecheval.py --compile compiles them.
 """
 import math
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-
-_COMPILE = {"on": False, "cache": {}}
-
-
-def set_compile(on):
-    """Switch torch.compile for the compilable fast paths on or off."""
-    _COMPILE["on"] = bool(on)
-
-
-def _compiled(fn):
-    """fn compiled (fullgraph, once) when compilation is switched on. It is opt-in, so a failure is loud."""
-    if _COMPILE["on"] and fn not in _COMPILE["cache"]:
-        _COMPILE["cache"][fn] = torch.compile(fn, fullgraph=True, dynamic=False)
-    return _COMPILE["cache"][fn] if _COMPILE["on"] else fn
-
 
 # ----------------------------------------------------------------------------------------------------
 # Short causal depthwise convolution: y[:, t, c] = b[c] + Σ_i w[c, i] · x[:, t-(k-1)+i, c], x[<0] = 0.
@@ -81,12 +61,7 @@ class _ShortConv(torch.autograd.Function):
         return gx, gw, gy.sum((0, 1)) if ctx.has_bias else None
 
 
-def short_conv(x, w, b=None):
-    """Fast short convolution: depthwise F.conv1d with a written-out backward in eager, the
-    shift-and-add when compiled."""
-    if _COMPILE["on"]:
-        return _compiled(short_conv_ref)(x, w, b)
-    return _ShortConv.apply(x, w, b)
+short_conv = _ShortConv.apply  # (x, w, b): the fast short convolution
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -163,15 +138,11 @@ def based_attention_ref(q, k, v, eps=1e-12):
     return (A @ v) / (A.sum(-1, keepdim=True) + eps)
 
 
-def _based_attention_identity(q, k, v, eps):
+def based_attention(q, k, v, eps=1e-12):
+    """The same through the kernel identity, never building the 73-dim features."""
     s = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])          # (B, L, L)
     A = (1 + s + 0.5 * s * s).tril()
     return (A @ v) / (A.sum(-1, keepdim=True) + eps)
-
-
-def based_attention(q, k, v, eps=1e-12):
-    """The same through the kernel identity, never building the 73-dim features."""
-    return _compiled(_based_attention_identity)(q, k, v, eps)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,6 +212,20 @@ def selective_scan(x, delta, A, B, C, D):
     return torch.stack(ys, dim=1) + x * D
 
 
+def selective_scan_parallel(x, delta, A, B, C, D):
+    """The same as a Hillis-Steele scan: ⌈log2 L⌉ rounds of whole-tensor ops (for a GPU; a CPU loops faster).
+    The decays are products of exp(ΔA) <= 1, so a large Δ|A| underflows to 0 and nothing overflows."""
+    a = torch.exp(delta[..., None] * A)                                  # (B, L, E, N)
+    b = (delta * x)[..., None] * B[:, :, None, :]                       # (B, L, E, N)
+    k = 1
+    while k < x.shape[1]:  # each t folds in the pair k steps back (a = 1, b = 0 before the start): 2k steps
+        b = b + a * F.pad(b[:, :-k], (0, 0, 0, 0, k, 0))
+        if 2 * k < x.shape[1]:  # the last round's decays would be unused
+            a = a * F.pad(a[:, :-k], (0, 0, 0, 0, k, 0), value=1.0)
+        k *= 2
+    return (b @ C[..., None])[..., 0] + x * D                            # y_t = C_t · s_t + D x_t
+
+
 # ----------------------------------------------------------------------------------------------------
 # DeltaNet's delta rule (Schlag et al. 2021; Yang et al. 2024), state S (d_k, d_v), S_0 = 0:
 #     S_t = S_{t-1} + k_t u_tᵀ,  u_t = β_t (v_t - S_{t-1}ᵀ k_t),   o_t = S_tᵀ q_t
@@ -296,13 +281,14 @@ def _inputs(op, B, L, d, gen):
             "selective_scan": lambda: [r(B, L, E), F.softplus(r(B, L, E)), -torch.rand(E, 16, generator=gen) * 4,
                                        r(B, L, 16), r(B, L, 16), r(E)],
             "delta_rule": lambda: [F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1), r(B, L, d),
-                                   torch.rand(B, L, generator=gen)]}[op]()
+                                   torch.rand(B, L, generator=gen)]}[op.replace("_parallel", "")]()
 
 
 PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref, long_conv),
          "based_attention": (based_attention_ref, based_attention),
-         "selective_scan": (selective_scan_ref, selective_scan), "delta_rule": (delta_rule_ref, delta_rule)}
-COMPILABLE = ("short_conv", "based_attention")
+         "selective_scan": (selective_scan_ref, selective_scan),
+         "selective_scan_parallel": (selective_scan_ref, selective_scan_parallel),
+         "delta_rule": (delta_rule_ref, delta_rule)}
 
 
 def timeit(fn, device="cpu", reps=11):
@@ -324,27 +310,19 @@ def _fwd_bwd(fn, args, device):
     return lambda: fn(*args).sum().backward()
 
 
-def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64)), compile=True):
+def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64))):
     print(f"kernels.py benchmark on {device}: forward + backward, median ms of {reps} calls (B, L, d); "
           f"ratio = reference / fast")
-    print(f"{'op':<16}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}{'compiled':>10}{'ratio':>8}{'compile s':>11}")
+    print(f"{'op':<24}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}")
     gen = torch.Generator().manual_seed(0)
     for op, (ref, fast) in PAIRS.items():
         for B, L, d in shapes:
             args = _inputs(op, B, L, d, gen)
-            t_ref, t_fast = timeit(_fwd_bwd(ref, args, device), device, reps)[0], \
-                timeit(_fwd_bwd(fast, args, device), device, reps)[0]
-            line = f"{op:<16}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x"
-            if compile and op in COMPILABLE:
-                set_compile(True)
-                t_comp, t_first = timeit(_fwd_bwd(fast, args, device), device, reps)
-                set_compile(False)
-                line += f"{t_comp:10.2f}{t_ref / t_comp:7.1f}x{t_first:11.1f}"
-            print(line)
+            t_ref, t_fast = (timeit(_fwd_bwd(fn, args, device), device, reps)[0] for fn in (ref, fast))
+            print(f"{op:<24}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x")
 
 
 if __name__ == "__main__":
     torch.set_flush_denormal(True)
-    use_compile = "--no-compile" not in sys.argv  # python kernels.py --no-compile: eager only
     for device in ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available():
-        benchmark(device, reps=11 if device == "cpu" else 20, compile=use_compile)
+        benchmark(device, reps=11 if device == "cpu" else 20)

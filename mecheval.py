@@ -6,7 +6,7 @@ A minimal PyTorch reimplementation of A. Arora, N. Rathi, N. Selvam, R. Csordás
 2-layer models on two recall tasks and asks not only *whether* they recall but *how*: by induction (the
 answer is stored at the value token) or by direct retrieval (computed at the query).
 
-    python mecheval.py --arch based --task ar        # the paper's AR at d=64: train, then read the mechanism
+    python mecheval.py --arch based --task ar        # the paper's AR at d=64, then its mechanism
     python mecheval.py --load runs/ar_based_d64_l2_lr0.001_s0 --analyze    # re-evaluate a saved run
 
 Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> interchange
@@ -43,7 +43,7 @@ TASKS = ("ar", "atr")
 ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (L = longest rule body + 1, |Σ| terminals)
 PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
 ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
-DEFAULT_LR = {}  # name -> default peak learning rate (the README says which are validated on the paper's AR)
+DEFAULT_LR = {}  # name -> default peak learning rate
 
 
 class ConfigError(ValueError):
@@ -65,7 +65,7 @@ class Config:
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
     d_conv: str = setting("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
                                   "base_conv 1-4 or long; auto = the architecture's own")
-    compile: bool = setting(False, "torch.compile the loop-free kernels (short conv, Based); a failure raises")
+    compile: bool = setting(False, "torch.compile the training step (CUDA graphs on CUDA)")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
     steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
@@ -577,7 +577,7 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(E, 1))   # A = -[1..N]
         self.D = nn.Parameter(torch.ones(E))
         self.out_proj = writes_residual(nn.Linear(E, d, bias=False))
-        # Δ's projection: weight U(±r^-1/2); bias = softplus⁻¹(dt) with dt log-uniform in [1e-3, 1e-1], at least 1e-4
+        # Δ's projection: weight U(±r^-1/2); bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1], >= 1e-4
         nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
         dt = torch.exp(torch.rand(E) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
         with torch.no_grad():
@@ -591,7 +591,9 @@ class Mamba(nn.Module):
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
         delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
-        y = kernels.selective_scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
+        parallel = x.is_cuda and torch.compiler.is_compiling()  # few launches to graph; a CPU loops faster
+        scan = kernels.selective_scan_parallel if parallel else kernels.selective_scan
+        y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
         return self.out_proj(y * F.silu(z))
 
 
@@ -751,14 +753,13 @@ def wrong_examples(task, split, preds, k=3, max_tokens=40):
 
 
 def setup(cfg):
-    """cfg's device (auto: CUDA, then MPS, then CPU), with torch.compile switched as cfg asks, denormals
+    """cfg's device (auto: CUDA, then MPS, then CPU), with denormals
     flushed on a CPU (10-20x slower there) and fp32 convolutions on CUDA (torch's default there is TF32)."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     device = next(kind for kind, ok in available.items() if ok) if cfg.device == "auto" else cfg.device
     if not available[device.split(":")[0]]:
         raise ConfigError(f"device '{device}' was asked for but {device.split(':')[0].upper()} is not available "
                           f"here; use auto or cpu")
-    kernels.set_compile(cfg.compile)
     torch.set_flush_denormal(device == "cpu")
     torch.backends.cudnn.allow_tf32 = False
     return device
@@ -770,9 +771,23 @@ def adamw(model, lr, device):
                              fused=device.startswith(("cpu", "cuda", "mps")))
 
 
-def train_step(model, optimizer, ids, query, answer):
-    """One optimiser step on the cross-entropy of the answer at the query; returns the loss."""
-    loss = F.cross_entropy(answer_logits(model, ids, query), answer)
+def answer_loss(model, ids, query, answer):
+    """The training loss: the cross-entropy of the answer at the query."""
+    return F.cross_entropy(answer_logits(model, ids, query), answer)
+
+
+def step_loss(compile, device):
+    """answer_loss, or compiled (forward and backward; CUDA graphs on CUDA). Analysis runs on the module."""
+    if not compile:
+        return answer_loss
+    torch._dynamo.reset()  # one model per compile cache: a run, or each architecture of --bench
+    mode = "reduce-overhead" if device.startswith("cuda") else None
+    return torch.compile(answer_loss, mode=mode, dynamic=False)
+
+
+def train_step(model, optimizer, ids, query, answer, loss_fn=answer_loss):
+    """One optimiser step on answer_loss (or its compiled form); returns the loss."""
+    loss = loss_fn(model, ids, query, answer)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -824,7 +839,7 @@ def train(cfg, task=None, log=print):
     unfinished run there continues on the same trajectory; a NaN loss raises NonFiniteLoss after saving."""
     cfg.validate()
     device = setup(cfg)
-    ckpt = open_run_folder(cfg)  # the checkpoint of an unfinished run to continue, or None (with the machinery)
+    ckpt = open_run_folder(cfg)  # the checkpoint of an unfinished run to continue, or None
     log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     t0 = time.time()
     task = task or make_task(cfg)
@@ -840,10 +855,11 @@ def train(cfg, task=None, log=print):
     batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
     ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
+    loss_fn = step_loss(cfg.compile, device)  # ATR's lengths are bucketed when compiled (Batches)
     loss_sum, ev = torch.zeros((), device=device), None
     for step in range(run.resume(state), cfg.steps + 1):  # from 1, or from the checkpoint's next step
         idx, L = batches.next()
-        loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx]).detach()
+        loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx], loss_fn).detach()
         schedule.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             ev = run.evaluation(step, loss_sum, model, schedule.get_last_lr()[0])
@@ -1035,8 +1051,8 @@ def verdict(mech, threshold=0.5):
 
 def verdict_text(v, numbers=True):
     """A verdict in words, with the attributions it rests on unless numbers=False."""
-    if not isinstance(v, dict):  # none, or text written by an earlier version
-        return v or "-"
+    if v is None:
+        return "-"
     kind, r = v["kind"], v["layer"]
     name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
     if not numbers:
@@ -1306,17 +1322,11 @@ def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker pr
     return run_or_load(cfg, log=lambda s: None)
 
 
-def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print, seeds=None):
+def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print, seeds=None, shard=None):
     """Train base at every width x learning rate x seed (finished runs are reused), keep the best rate per width
-    (mean final accuracy over the seeds, then answer probability), and write summary.md / summary.json to
-    base.out_dir: accuracy beside the paper's and the last layer's block_input attribution at value / key /
-    query, averaged over the seeds that succeeded."""
+    and write summary.md / summary.json to base.out_dir (see run_sweeps and best_rows)."""
     return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log,
-                      seeds)
-
-
-def _worker_init(threads):
-    torch.set_num_threads(threads)
+                      seeds, shard)
 
 
 def run_all(cfgs, jobs=1, log=print):
@@ -1327,16 +1337,10 @@ def run_all(cfgs, jobs=1, log=print):
         return r
     if jobs == 1:
         return [done(i, cfg, _quiet_run(cfg)) for i, cfg in enumerate(cfgs)]
-    import concurrent.futures
     import multiprocessing
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}  # Python 3.10 reuses workers
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_worker_init, initargs=(threads,), **fresh) as ex:
-        futures = {ex.submit(_quiet_run, cfg): cfg for cfg in cfgs}
-        for i, fut in enumerate(concurrent.futures.as_completed(futures)):  # report in order of finishing
-            done(i, futures[fut], fut.result())
-        return [f.result() for f in futures]
+    with multiprocessing.get_context("spawn").Pool(jobs, torch.set_num_threads, (threads,), 1) as pool:  # 1 run each
+        return [done(i, cfg, r) for i, (cfg, r) in enumerate(zip(cfgs, pool.imap(_quiet_run, cfgs)))]
 
 
 def best_rows(label, cfgs, results, widths):
@@ -1426,15 +1430,19 @@ def save_summary(out_dir, title, rows, log=print):
     return summary
 
 
-def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None):
+def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None, shard=None):
     """Sweep each (label, config) entry over widths x lrs x seeds (default: the paper's rates, 0 = the default
     rate; the entry's own seed), all in one pool of jobs; then a summary in out_dir over all entries, and one
-    in each entry's folder."""
+    in each entry's folder. shard = (i, n): only every n-th run from the i-th, no summary (a job array)."""
     grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
               for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
     every = lambda name: sorted({getattr(c, name) for g in grids for c in g})
     log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
         f"{every('lr')} x seeds {every('seed')}, in {out_dir}")
+    if shard:
+        mine = [c for g in grids for c in g][shard[0]::shard[1]]
+        log(f"shard {shard[0]}/{shard[1]}: {len(mine)} runs; without --shard, the same command summarises")
+        return run_all(mine, jobs, log)
     results, rows = run_all([c for g in grids for c in g], jobs, log), []
     for (label, cfg), grid in zip(entries, grids):
         res, results = results[:len(grid)], results[len(grid):]
@@ -1472,7 +1480,7 @@ def presets():
 PRESET_GRID = {"reduced": ((64,), (0.0,), None), "seeds": (PAPER_WIDTHS, None, (0, 1, 2))}
 
 
-def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None):
+def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None, shard=None):
     """Every sweep of a preset, each into out_dir/<label>/. args: the user's Config settings (a dict), under
     the preset's own; settings left out resolve per entry (an ATR entry gets ATR's schedule)."""
     table = presets()
@@ -1483,7 +1491,7 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None)
     widths, lrs, seeds = widths or grid[0], lrs or grid[1], seeds or grid[2]
     entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))
                for label, settings in table[name]]
-    return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log, seeds)
+    return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log, seeds, shard)
 
 
 def plot(folder, log=print):
@@ -1534,8 +1542,8 @@ def plot(folder, log=print):
 
 
 def bench_steps(cfg, n=20, log=print):
-    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes and task, the
-    median of n steps after a warm-up step, and the ratio to attention's: a benchmark, not a test."""
+    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes and task, median of
+    n after a first, and the ratio to attention's; with compile also compiled."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
@@ -1546,7 +1554,12 @@ def bench_steps(cfg, n=20, log=print):
         model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
         optimizer = adamw(model, 1e-4, device)
         times[arch] = kernels.timeit(lambda: train_step(model, optimizer, *batch), device, n)[0]
-        log(f"{arch:<10} {times[arch]:8.2f} ms/step {times[arch] / times['attention']:6.2f}x attention")
+        line = f"{arch:<10} {times[arch]:8.2f} ms/step {times[arch] / times['attention']:6.2f}x attention"
+        if cfg.compile:
+            loss_fn = step_loss(True, device)
+            t, first = kernels.timeit(lambda: train_step(model, optimizer, *batch, loss_fn), device, n)
+            line += f" | compiled {t:8.2f} ms, {times[arch] / t:5.2f}x faster; first step {first:.0f} s"
+        log(line)
     return times
 
 
@@ -1566,6 +1579,13 @@ def _numbers(kind):  # each value is then checked as the setting it becomes (a w
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, not '{s}'") from None
     return parse
+
+
+def _shard(s):
+    i, n = (s.split("/") + ["", ""])[:2]
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"'{s}' is not a shard i/n with 0 <= i < n, e.g. 0/8")
+    return int(i), int(n)
 
 
 def parse_args(argv=None):
@@ -1588,6 +1608,7 @@ def parse_args(argv=None):
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, "
              "atr_8192, mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)"),
             ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
+            ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
             ("bench", dict(action="store_true"), "time a training step of every architecture, relative to attention"),
             ("plot", dict(metavar="DIR"), "draw the PNGs of a sweep or preset folder (needs matplotlib)")):
         p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
@@ -1613,8 +1634,8 @@ def evaluate_run(run_dir, args, log=print):
 
 def main(argv=None):
     args = parse_args(argv)
-    flags = {k: args.pop(k) for k in ("sweep", "preset", "widths", "lrs", "seeds", "jobs", "bench", "plot", "load")
-             if k in args}
+    grid_flags = ("widths", "lrs", "seeds", "jobs", "shard")
+    flags = {k: args.pop(k) for k in ("sweep", "preset", *grid_flags, "bench", "plot", "load") if k in args}
     try:
         if flags.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {flags['jobs']}")
@@ -1624,13 +1645,12 @@ def main(argv=None):
             plot(flags["plot"])
         elif "preset" in flags:
             run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1),
-                       seeds=flags.get("seeds"))
+                       seeds=flags.get("seeds"), shard=flags.get("shard"))
         elif flags.get("sweep"):
             sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1),
-                  seeds=flags.get("seeds"))
-        elif set(flags) & {"widths", "lrs", "seeds", "jobs"}:
-            raise ConfigError(f"--{min(set(flags) & {'widths', 'lrs', 'seeds', 'jobs'})} belongs to a sweep; add "
-                              f"--sweep or --preset NAME")
+                  seeds=flags.get("seeds"), shard=flags.get("shard"))
+        elif set(flags) & set(grid_flags):
+            raise ConfigError(f"--{min(set(flags) & set(grid_flags))} belongs to a sweep; add --sweep or --preset")
         elif "load" in flags:
             evaluate_run(flags["load"], args)
         else:

@@ -1543,7 +1543,8 @@ def plot(folder, log=print):
 
 def bench_steps(cfg, n=20, log=print):
     """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes and task, median of
-    n after a first, and the ratio to attention's; with compile also compiled."""
+    n after a first, and the ratio to attention's; with compile also compiled, eager and compiled timed in 3
+    alternating rounds (the fastest kept), so that a busy machine slows both alike."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
@@ -1552,13 +1553,14 @@ def bench_steps(cfg, n=20, log=print):
     times = {}
     for arch in ARCHS:
         model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
-        optimizer = adamw(model, 1e-4, device)
-        times[arch] = kernels.timeit(lambda: train_step(model, optimizer, *batch), device, n)[0]
+        optimizer, fns = adamw(model, 1e-4, device), [answer_loss] + [step_loss(True, device)] * cfg.compile
+        t = [[kernels.timeit(lambda: train_step(model, optimizer, *batch, fn), device, n) for fn in fns]
+             for _ in range(3 if cfg.compile else 1)]  # t[round][eager, compiled] = (ms, first call s)
+        times[arch] = min(r[0][0] for r in t)
         line = f"{arch:<10} {times[arch]:8.2f} ms/step {times[arch] / times['attention']:6.2f}x attention"
         if cfg.compile:
-            loss_fn = step_loss(True, device)
-            t, first = kernels.timeit(lambda: train_step(model, optimizer, *batch, loss_fn), device, n)
-            line += f" | compiled {t:8.2f} ms, {times[arch] / t:5.2f}x faster; first step {first:.0f} s"
+            ms = min(r[1][0] for r in t)
+            line += f" | compiled {ms:8.2f} ms, {times[arch] / ms:5.2f}x faster; first step {t[0][1][1]:.0f} s"
         log(line)
     return times
 

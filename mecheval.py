@@ -753,8 +753,8 @@ def wrong_examples(task, split, preds, k=3, max_tokens=40):
 
 
 def setup(cfg):
-    """cfg's device (auto: CUDA, then MPS, then CPU), with denormals
-    flushed on a CPU (10-20x slower there) and fp32 convolutions on CUDA (torch's default there is TF32)."""
+    """cfg's device (auto: CUDA, then MPS, then CPU), with denormals flushed on a CPU (10-20x slower there)
+    and fp32 convolutions on CUDA (torch's default there is TF32)."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     device = next(kind for kind, ok in available.items() if ok) if cfg.device == "auto" else cfg.device
     if not available[device.split(":")[0]]:
@@ -1584,7 +1584,7 @@ def _numbers(kind):  # each value is then checked as the setting it becomes (a w
 
 
 def _shard(s):
-    i, n = (s.split("/") + ["", ""])[:2]
+    i, _, n = s.partition("/")
     if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
         raise argparse.ArgumentTypeError(f"'{s}' is not a shard i/n with 0 <= i < n, e.g. 0/8")
     return int(i), int(n)

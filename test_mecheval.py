@@ -1273,7 +1273,7 @@ def test_shards_split_a_sweep_and_the_plain_command_only_summarises(tmp_path, ca
     assert m.main(argv) == 0
     assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 2
     capsys.readouterr()
-    for bad in ("3/3", "x", "1/0", "-1/2"):
+    for bad in ("3/3", "x", "1/0", "-1/2", "0/2/3"):
         with pytest.raises(SystemExit) as e:
             m.main(argv + [f"--shard={bad}"])
         err = capsys.readouterr().err

@@ -1204,9 +1204,10 @@ FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status
 
 
 def run_settings(config):
-    """What a run computes: its config dict without where it is written and which device ran it; a setting
-    that a folder written before it existed lacks is its default."""
-    return {f.name: config.get(f.name, f.default) for f in fields(Config) if f.name not in ("out_dir", "device")}
+    """What a run computes: its config dict without where it is written, its device and --compile (they change
+    only the float order); a setting that a folder written before it existed lacks is its default."""
+    return {f.name: config.get(f.name, f.default) for f in fields(Config)
+            if f.name not in ("out_dir", "device", "compile")}
 
 
 def open_run_folder(cfg):
@@ -1233,7 +1234,7 @@ def open_run_folder(cfg):
 
 # Settings that do not change a trained model: given with --load they replace the saved ones. Any other
 # setting given with --load must match the checkpoint's.
-EVAL_ONLY_FIELDS = ("device", "n_eval", "out_dir", "analyze", "corrupt")
+EVAL_ONLY_FIELDS = ("device", "compile", "n_eval", "out_dir", "analyze", "corrupt")
 
 
 def load_run(run_dir, expect=None):
@@ -1302,20 +1303,17 @@ def paper_acc(cfg, test=False):
 
 
 def run_or_load(cfg, log=print):
-    """The results of cfg's run: those of a finished run of the same settings in its folder (the device and
-    the folder's spelling do not count), else trained now. A NaN loss is a finished result."""
+    """The results of cfg's run: those of a finished run of the same settings in its folder (the device,
+    --compile and the folder's spelling do not count), else trained now. A NaN loss is a finished result."""
     path = os.path.join(cfg.out_dir, cfg.run_name, "results.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            old = json.load(f)
-        if old.get("status") in FINISHED and run_settings(old.get("config", {})) == run_settings(asdict(cfg)):
-            return old
+    old = json.load(open(path)) if os.path.isfile(path) else {}
+    if old.get("status") in FINISHED and run_settings(old.get("config", {})) == run_settings(asdict(cfg)):
+        return old
     try:
         return train(cfg, log=log)
     except NonFiniteLoss as e:
         log(f"{cfg.run_name}: {e}")
-        with open(path) as f:
-            return json.load(f)
+        return json.load(open(path))
 
 
 def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker processes

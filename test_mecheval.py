@@ -1044,6 +1044,7 @@ def test_sweep_resumes_a_run_cut_mid_way_and_reuses_finished_ones(tmp_path, monk
     assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]  # the same trajectory
     calls.clear()  # the same folder spelled another way (relative vs absolute) is the same sweep
     m.sweep(m.replace(base, out_dir=os.path.relpath(str(tmp_path / "cut"))), **grid)
+    m.sweep(m.replace(base, out_dir=str(tmp_path / "cut"), compile=True), **grid)  # as a job array's summary
     assert calls == []
 
 

@@ -9,13 +9,15 @@ answer is stored at the value token) or by direct retrieval (computed at the que
     python mecheval.py --arch based --task ar        # the paper's AR at d=64, then its mechanism
     python mecheval.py --load runs/ar_based_d64_l2_lr0.001_s0 --analyze    # re-evaluate a saved run
 
-Reading order: config -> tasks (AR, ATR) -> sequence mixers -> model -> training -> interchange
-interventions; then the machinery: validation, run folders, sweeps and presets, plots, benchmark, CLI.
-kernels.py holds the fast forms of the expensive sequence operations, each beside its plain definition.
+Reading order: config -> tasks (AR, ATR) -> one whole model, attention its mixer -> training -> interchange
+interventions and the verdict (a first read may stop there) -> the other mixers, a catalogue -> machinery:
+validation, run folders, sweeps and presets, plots, benchmark, command line. kernels.py holds the fast
+forms of the expensive sequence operations, each beside its plain definition.
 
-Shape letters, one meaning each: B batch, L sequence length, d model width, V vocabulary, M documents in
-a split, P key-value pairs of an AR document, E inner channels of Mamba (2d), N state size of an SSM,
-H heads of H3. The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, not sizes.
+Letters, one meaning each: B batch, L sequence length, d model width, V vocabulary, M documents in a split,
+P key-value pairs of an AR document, E inner channels of Mamba (2d), N state size of an SSM, H heads of H3.
+The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, not sizes. u is a mixer's
+input, h a convolution filter, and * causal convolution over time: (h * u)_t = Σ_{s<=t} h_{t-s} u_s.
 """
 import argparse
 import json
@@ -40,7 +42,7 @@ import kernels
 PAD, BOS, EOS = 0, 1, 2   # special tokens shared by both tasks
 MAX_LEN = 1024            # longest document (the paper's l_max and position-table size)
 TASKS = ("ar", "atr")
-ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (L = longest rule body + 1, |Σ| terminals)
+ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (max_rhs, terminals): see Grammar
 PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
 ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
 DEFAULT_LR = {}  # name -> default peak learning rate
@@ -56,67 +58,51 @@ def setting(default, help):
 
 @dataclass
 class Config:
-    # what to learn
+    # the task: AR, or ATR (its grammar and split)
     task: str = setting("ar", "task: ar (associative recall) or atr (associative treecall)")
-    arch: str = setting("attention", "sequence mixer (see the mixer section)")
+    n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
+    n_keys: int = setting(4096, "AR: number of key tokens")
+    n_values: int = setting(4096, "AR: number of value tokens")
+    atr_setting: str = setting("easy", "ATR grammar (longest rule body, terminals): easy (4, 20), medium (9, 20), "
+                                       "8192 (4, 8192)")
+    atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: held-out (parent, child) pairs "
+                                    "are not trained, and are tested apart (dev: allowed pairs, test: held-out)")
+    atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
+    n_train: int = setting(100_032, "training documents (iterated in epochs)")
+    n_eval: int = setting(320, "evaluation documents")
     # the model
+    arch: str = setting("attention", "sequence mixer (see the mixer section)")
     d_model: int = setting(64, "model width d")
     n_layers: int = setting(2, "number of residual blocks")
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
     d_conv: str = setting("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
                                   "base_conv 1-4 or long; auto = the architecture's own")
-    compile: bool = setting(False, "torch.compile the training step (CUDA graphs on CUDA)")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
     steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
     batch_size: int = setting(32, "documents per step")
     warmup: float = setting(0.1, "fraction of the steps spent in linear warm-up")
     seed: int = setting(0, "seeds the data, the grammar, the initialisation and the batch order")
-    batch_order: str = setting("shuffle", "shuffle: a fresh permutation each epoch; fixed: the authors' order, batch k "
-                                          "of every epoch is training documents [kB, kB+B)")
-    device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    batch_order: str = setting("shuffle", "shuffle: a fresh permutation each epoch; fixed: the authors' order, "
+                                          "the same every epoch")
     eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
     # the mechanism analysis after training
     analyze: bool = setting(True, "run the interchange-intervention grid after training, or with --load")
     corrupt: str = setting("key", "context token the analysis corrupts: key (the paper's) or value")
-    # AR
-    n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
-    n_keys: int = setting(4096, "AR: number of key tokens")
-    n_values: int = setting(4096, "AR: number of value tokens")
-    # ATR
-    atr_setting: str = setting("easy", "ATR grammar: easy (L=5, 20 terminals), medium (L=10, 20), 8192 (L=5, 8192)")
-    atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: trained without the held-out "
-                                    "(parent, child) pairs, evaluated on dev (allowed pairs) and test (held-out pairs)")
-    atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
-    # data sizes
-    n_train: int = setting(100_032, "training documents (iterated in epochs)")
-    n_eval: int = setting(320, "evaluation documents")
-    # where results go
+    # where it runs and where results go
+    device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    compile: bool = setting(False, "torch.compile the training step (CUDA graphs on CUDA)")
     out_dir: str = setting("runs", "folder that holds the run folders")
     run_name: str = setting("", "run folder name; empty = derived from the settings")
 
-    def __post_init__(self):
-        self.validate()
-        if self.lr == 0:
-            self.lr = DEFAULT_LR[self.arch]
-        if self.steps == 0:
-            self.steps = PAPER_STEPS[self.task]
-        if not self.run_name:
-            extra = f"_{self.atr_setting}" + ("" if self.atr_split == "iid" else f"_{self.atr_split}") \
-                if self.task == "atr" else ""
-            extra += ("" if self.d_conv == "auto" else f"_c{self.d_conv}") + "_fixed" * (self.batch_order == "fixed")
-            self.run_name = (f"{self.task}{extra}_{self.arch}_d{self.d_model}_l{self.n_layers}"
-                             f"_lr{self.lr:g}_s{self.seed}")
-
-    @property
-    def use_pos_emb(self):
-        return self.pos_emb == "on" or (self.pos_emb == "auto" and self.arch == "attention")
-
-    def validate(self):
-        for bad, message in config_errors(self):  # below, with the machinery
-            if bad:
-                raise ConfigError(message)
+    def __post_init__(self):  # a bad setting raises ConfigError (config_errors, with the machinery)
+        bad = next((message for wrong, message in config_errors(self) if wrong), None)
+        if bad:
+            raise ConfigError(bad)
+        self.lr = self.lr or DEFAULT_LR[self.arch]
+        self.steps = self.steps or PAPER_STEPS[self.task]
+        self.run_name = self.run_name or default_run_name(self)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,7 +200,7 @@ class Grammar:
 
     40 nonterminals, each with a depth score in 1..10; a rule for X uses only nonterminals of larger
     score, so there is no recursion. Each X has 1..5 rules with Dirichlet(1) probabilities; a rule body
-    has 1..L-1 symbols drawn with replacement from {allowed nonterminals, weight 1 each} and {a terminal,
+    has 1..max_rhs-1 symbols drawn with replacement from {allowed nonterminals, weight 1 each} and {a terminal,
     weight 20} (a terminal slot gets a uniformly random terminal, fixed in the rule). Each X also has a
     Dirichlet(1) head distribution over terminals. Expanding X writes its body's expansions and then a
     head terminal as the rightmost symbol; that head is the parent of everything X produced directly
@@ -340,10 +326,12 @@ def make_task(cfg, train=True):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sequence mixers. Each maps the normed residual stream (B, L, d) to (B, L, d), strictly causally, and is
-# built as Mixer(cfg, layer_idx) so that a mixer may depend on its layer (as zoology's Hybrid and BaseConv do).
+# One whole model (tinylang model/arch/zoology.py): embedding -> blocks (a mixer, an MLP) -> LayerNorm -> LM
+# head tied to the embedding. Only the mixer differs: attention here, the rest in the catalogue. A mixer
+# maps the normed stream (B, L, d) to (B, L, d) causally; Mixer(cfg, layer_idx) may vary by layer.
 
 def register(name, lr):
+    """--arch name builds this mixer class (or function of cfg, layer_idx); lr: its default rate."""
     def wrap(cls):
         ARCHS[name], DEFAULT_LR[name] = cls, lr
         return cls
@@ -351,8 +339,8 @@ def register(name, lr):
 
 
 def writes_residual(linear):
-    """Mark a projection whose output is added to the residual stream, so that the init scales it down
-    (GPT-2's 1/√(2·n_layers)). zoology picks these by name (out_proj, fc2); here each mixer marks its own."""
+    """Mark a projection that writes the residual stream, so that the init scales it down (GPT-2's
+    1/√(2·n_layers)). zoology picks these by name (out_proj, fc2); here each mixer marks its own."""
     linear.writes_residual = True
     return linear
 
@@ -361,8 +349,8 @@ def writes_residual(linear):
 class Attention(nn.Module):
     """Causal softmax self-attention with one head (Vaswani et al. 2017; zoology mixers/attention.py, MHA).
 
-        [q | k | v] = x W_qkvᵀ            (no bias)
-        o = softmax(q kᵀ / √d + M) v       M[t, s] = -1e4 for s > t
+        [q | k | v] = u W_qkvᵀ            (no bias)
+        o = softmax(q kᵀ / √d + mask) v    mask[t, s] = -1e4 for s > t
         out = o W_oᵀ + b_o                 (out_proj keeps its bias although bias=False is passed)
 
     The fast path is PyTorch's scaled_dot_product_attention with a causal mask; `reference=True` runs the
@@ -376,32 +364,520 @@ class Attention(nn.Module):
         self.Wqkv = nn.Linear(d, 3 * d, bias=False)
         self.out_proj = writes_residual(nn.Linear(d, d))
 
-    def forward(self, x):                          # (B, L, d)
-        q, k, v = self.Wqkv(x).chunk(3, dim=-1)    # 3 x (B, L, d)
+    def forward(self, u):                          # (B, L, d)
+        q, k, v = self.Wqkv(u).chunk(3, dim=-1)    # 3 x (B, L, d)
         if self.reference:
-            L = x.shape[1]
+            L = u.shape[1]
             scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, L, L)
-            mask = torch.triu(torch.full((L, L), -10000.0, device=x.device), diagonal=1)
+            mask = torch.triu(torch.full((L, L), -10000.0, device=u.device), diagonal=1)
             o = torch.softmax(scores + mask, dim=-1) @ v             # (B, L, d)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(o)
 
 
-def conv_width(cfg, default):
-    """The short-convolution width of cfg (d_conv), or the architecture's default."""
-    return default if cfg.d_conv == "auto" else cfg.d_conv if cfg.d_conv == "long" else int(cfg.d_conv)
-
-
 class ShortConv(nn.Conv1d):
-    """Causal depthwise convolution over time (zoology's ShortConvolution, Mamba's conv1d), with Conv1d's
-    parameters and default init; runs through kernels.short_conv on (B, L, C)."""
+    """Causal depthwise convolution y = h * u, short filter h (zoology's ShortConvolution, Mamba's conv1d),
+    run by kernels.short_conv on (B, L, C). Most of the catalogue calls one; its output is the site
+    conv_output, where a conv carries a token to the next positions."""
 
     def __init__(self, channels, width, bias=True):
         super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
 
-    def forward(self, x):              # (B, L, C) -> (B, L, C)
-        return kernels.short_conv(x, self.weight[:, 0], self.bias)
+    def forward(self, u):              # (B, L, C) -> (B, L, C)
+        return kernels.short_conv(u, self.weight[:, 0], self.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), writes_residual(nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))  # exact-erf GELU
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: r = r + mixer(LN(r)); r = r + MLP(LN(r)). The sites block_input / block_output
+    are r in and out: block_output of layer l is the same tensor as block_input of l+1. A mixer class with
+    mamba_block = True gets Mamba's block (mamba_ssm's Block): RMSNorm (eps 1e-5), no MLP, its own init."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        d, mixer_cls = cfg.d_model, ARCHS[cfg.arch]
+        self.mamba = getattr(mixer_cls, "mamba_block", False)
+        self.norm1 = nn.RMSNorm(d, eps=1e-5) if self.mamba else nn.LayerNorm(d)
+        self.mixer = mixer_cls(cfg, layer_idx)
+        self.norm2, self.mlp = (None, None) if self.mamba else (nn.LayerNorm(d), MLP(d))
+
+    def forward(self, r):                # (B, L, d) -> (B, L, d)
+        r = r + self.mixer(self.norm1(r))
+        if self.mlp is not None:
+            r = r + self.mlp(self.norm2(r))
+        return r
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg, vocab_size):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        positions = cfg.pos_emb == "on" or (cfg.pos_emb == "auto" and cfg.arch == "attention")
+        self.pos_emb = nn.Embedding(MAX_LEN, cfg.d_model) if positions else None
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+
+    def hidden(self, ids):               # (B, L) -> (B, L, d), after the final LayerNorm
+        x = self.embed(ids)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def head(self, x):                   # (..., d) -> (..., V), tied to the token embedding
+        return x @ self.embed.weight.T
+
+    def forward(self, ids):              # (B, L) -> logits (B, L, V)
+        return self.head(self.hidden(ids))
+
+
+def zoology_init(model, n_layers):
+    """zoology's _init_weights (mamba_ssm's for Mamba's blocks). Others: every Linear N(0, 0.02), zero bias,
+    embeddings N(0, 0.02), then the projections marked writes_residual N(0, 0.02/√(2·n_layers)). Mamba's:
+    Linear weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), the
+    writes_residual projection is redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own."""
+    mamba = model.blocks[0].mamba
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and not mamba):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
+            nn.init.zeros_(m.bias)
+    for m in (m for m in model.modules() if getattr(m, "writes_residual", False)):
+        if mamba:
+            nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
+            with torch.no_grad():
+                m.weight /= math.sqrt(n_layers)
+        else:
+            nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+
+def build_model(cfg, vocab_size):
+    """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LanguageModel(cfg, vocab_size)
+        zoology_init(model, cfg.n_layers)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training, as the paper: AdamW (0.9, 0.999), no weight decay, 10 % linear warm-up then cosine to 0,
+# batch 32, fp32, cross-entropy on the answer only. Evaluation: answer accuracy and the mean
+# probability of the answer on the fixed evaluation split.
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+def answer_logits(model, ids, query):
+    """Logits (B, V) at the query position of each document: ids (B, L), query (B,). Computing the
+    head only where the loss is read saves a (B, L, V) product."""
+    hidden = model.hidden(ids)                                     # (B, L, d)
+    return model.head(hidden[torch.arange(len(ids), device=ids.device), query])
+
+
+@torch.no_grad()
+def evaluate(model, split, batch_size=512):
+    """Answer accuracy and mean answer probability on a split; also the predictions (M,)."""
+    device = next(model.parameters()).device
+    preds, probs = [], []
+    for i in range(0, len(split), batch_size):
+        sl = slice(i, i + batch_size)
+        ids = split.input_ids[sl, :int(split.lengths[sl].max())].to(device)
+        logp = answer_logits(model, ids, split.pos["query"][sl].to(device)).log_softmax(-1)  # (B, V)
+        preds.append(logp.argmax(-1).cpu())
+        probs.append(logp.gather(1, split.answers[sl, None].to(device))[:, 0].exp().cpu())
+    preds = torch.cat(preds)
+    return {"acc": (preds == split.answers).float().mean().item(), "p_answer": torch.cat(probs).mean().item(),
+            "preds": preds}
+
+
+def wrong_examples(task, split, preds, k=3, max_tokens=40):
+    """A few wrong predictions as readable text: the document up to the query, then pred vs answer."""
+    out = []
+    for n in (preds != split.answers).nonzero()[:k, 0].tolist():
+        q = int(split.pos["query"][n])
+        toks = split.input_ids[n, max(0, q + 1 - max_tokens):q + 1]
+        pre = "... " if q + 1 > max_tokens else ""
+        out.append(f"{pre}{task.decode(toks)} -> predicted {task.token_names[int(preds[n])]}, "
+                   f"answer {task.token_names[int(split.answers[n])]}")
+    return out
+
+
+def setup(cfg):
+    """cfg's device (auto: CUDA, then MPS, then CPU), with denormals flushed on a CPU (10-20x slower there)
+    and fp32 convolutions on CUDA (torch's default there is TF32)."""
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    device = next(kind for kind, ok in available.items() if ok) if cfg.device == "auto" else cfg.device
+    if not available[device.split(":")[0]]:
+        raise ConfigError(f"device '{device}' was asked for but {device.split(':')[0].upper()} is not available "
+                          f"here; use auto or cpu")
+    torch.set_flush_denormal(device == "cpu")
+    torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def adamw(model, lr, device):
+    """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
+                             fused=device.startswith(("cpu", "cuda", "mps")))
+
+
+def answer_loss(model, ids, query, answer):
+    """The training loss: the cross-entropy of the answer at the query."""
+    return F.cross_entropy(answer_logits(model, ids, query), answer)
+
+
+def step_loss(compile, device):
+    """answer_loss, or compiled (forward and backward; CUDA graphs on CUDA)."""
+    if not compile:
+        return answer_loss
+    torch._dynamo.reset()  # one model per compile cache: a run, or each architecture of --bench
+    mode = "reduce-overhead" if device.startswith("cuda") else None
+    return torch.compile(answer_loss, mode=mode, dynamic=False)
+
+
+def train_step(model, optimizer, ids, query, answer, loss_fn=answer_loss):
+    """One optimiser step on answer_loss (or its compiled form); returns the loss."""
+    loss = loss_fn(model, ids, query, answer)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def lr_factor(step, warmup_steps, total_steps):
+    """Linear warm-up to 1 over warmup_steps, then cosine decay to 0 at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Batches:
+    """Epochs over the training documents, each a fresh permutation from the run's generator, or with
+    fixed=True the stored order, as tinylang's experiment.py (batch k: documents [kB, kB+B)); the last
+    partial batch is dropped. next(): the batch's indices, kept on the device (a copy a step would make the
+    CPU wait for the GPU), and the length its padding is trimmed to."""
+
+    def __init__(self, lengths, batch_size, seed, device="cpu", compile=False, fixed=False):
+        self.lengths, self.batch_size, self.device = lengths, batch_size, device
+        self.compile, self.fixed = compile, fixed
+        self.gen, self.order, self.cursor = torch.Generator().manual_seed(seed), None, len(lengths)
+
+    def next(self):
+        if self.cursor + self.batch_size > len(self.lengths):  # a new epoch
+            n = len(self.lengths)
+            self.set_order(torch.arange(n) if self.fixed else torch.randperm(n, generator=self.gen), 0)
+        span, self.cursor = slice(self.cursor, self.cursor + self.batch_size), self.cursor + self.batch_size
+        L = int(self.lengths[self.order[span]].max())  # ATR lengths vary
+        if self.compile:  # a power of two from 16 (at most the longest document): few shapes to compile for
+            L = min(max(16, 1 << (L - 1).bit_length()), int(self.lengths.max()))
+        return self.on_device[span], L
+
+    def set_order(self, order, cursor):
+        self.order, self.cursor, self.on_device = order, cursor, order.to(self.device)
+
+    def state_dict(self):
+        return {"batch_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.gen.set_state(state["batch_gen"])
+        self.set_order(state["order"], state["cursor"])
+
+
+def train(cfg, log=print):
+    """Train the model of cfg as the paper and return the results. The run folder keeps a checkpoint every
+    eval_every steps; a rerun continues from it on the same trajectory."""
+    device = setup(cfg)
+    folder = RunFolder(cfg)  # out_dir/run_name; refuses a folder that holds a run of other settings
+    log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
+    t0 = time.time()
+    task = make_task(cfg)
+    log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
+        f"{task.vocab_size:,} tokens, built in {time.time() - t0:.1f}s")
+    model = build_model(cfg, task.vocab_size).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
+    results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0, "history": [],
+               "train_seconds": 0.0}
+    optimizer = adamw(model, cfg.lr, device)
+    warmup_steps = int(cfg.warmup * cfg.steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
+    fixed = cfg.batch_order == "fixed"
+    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, fixed)
+    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
+    results = folder.restore(state, log) or results  # an unfinished run continues from its checkpoint
+    history = results["history"]
+    reached = lambda acc: 0 < cfg.target_acc <= acc  # the early stop
+    data = task.train
+    ids, query, answer = (t.to(device) for t in (data.input_ids, data.pos["query"], data.answers))
+    loss_fn = step_loss(cfg.compile, device)
+    loss_sum, ev = torch.zeros((), device=device), None
+    t_last = time.time()
+    first = cfg.steps + 1 if history and reached(history[-1]["acc"]) else results["steps_done"] + 1
+    for step in range(first, cfg.steps + 1):
+        idx, L = batches.next()
+        loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx], loss_fn).detach()
+        schedule.step()
+        if step % cfg.eval_every and step != cfg.steps:
+            continue
+        # every eval_every steps: the mean loss, an evaluation, a progress line, a checkpoint
+        n = step - results["steps_done"]  # steps since the last evaluation
+        dt, loss = time.time() - t_last, (loss_sum / n).item()
+        results["train_seconds"] += dt
+        if not math.isfinite(loss):
+            folder.save(results, "nonfinite")
+            raise NonFiniteLoss(f"the training loss became {loss} between steps {step - n + 1} and {step} "
+                                f"(lr={cfg.lr:g}); {folder.dir} keeps the last good checkpoint")
+        ev = evaluate(model, task.eval)
+        history.append({"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer": round(ev["p_answer"], 5),
+                        "lr": schedule.get_last_lr()[0]})
+        results.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
+                       best_acc=max(ev["acc"], results.get("best_acc", 0.0)))
+        log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f} | "
+            f"{1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}")
+        folder.checkpoint(step, state, results)
+        if reached(ev["acc"]):
+            break
+        loss_sum, t_last = torch.zeros((), device=device), time.time()
+    ev = ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
+    results["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
+    folder.save(results, "target reached" if reached(ev["acc"]) else "completed", model)
+    log(f"done ({results['status']}) after {results['steps_done']:,} steps, {fmt_time(results['train_seconds'])} of "
+        f"training ({results['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
+    for line in results["wrong_examples"]:
+        log("  wrong: " + line)
+    if task.test is not None or cfg.analyze:
+        folder.save(analyze(model, task, cfg, results, log, cfg.analyze))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interchange interventions (the paper's metric; tinylang eval/interchange.py). Each document runs clean and
+# corrupted, its key replaced by another (pyvene's source and base). One clean activation, at one site,
+# layer and position, is patched into the corrupted run; how much of p(answer) comes back?
+#     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
+# Sites are hooks, the same in every model: block_input / block_output (the residual stream), mixer_ and mlp_
+# input / output, conv_output on a ShortConv. Patching an *_input changes only that branch, not the stream.
+# To reuse the method, copy hooks, read_at, write_at, interchange and mechanism; they need
+# model.blocks[l].mixer / .mlp, a ShortConv for conv_output, and model.hidden / .head.
+
+SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
+POSITIONS = ("key", "value", "next_key", "divider", "query")
+
+
+def site_module(model, site, layer, strict=True):
+    """The module whose input or output is `site` of block `layer` (strict=False: None if it has none)."""
+    if site not in SITES:
+        raise ValueError(f"unknown site '{site}'; allowed: {', '.join(SITES)}")
+    if not 0 <= layer < len(model.blocks):
+        raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(model.blocks) - 1}")
+    block = model.blocks[layer]
+    part = site.rsplit("_", 1)[0]
+    conv = next((mod for mod in block.mixer.modules() if isinstance(mod, ShortConv)), None)
+    module = {"block": block, "mixer": block.mixer, "mlp": block.mlp, "conv": conv}[part]
+    if module is None and strict:
+        raise ValueError(f"site '{site}' does not exist in layer {layer}: " + (
+            "its blocks have no MLP (Mamba); use block_* or mixer_* sites" if part == "mlp"
+            else f"its {type(block.mixer).__name__} mixer has no short convolution"))
+    return module
+
+
+def model_cells(model):
+    """Every (site, layer) the model has."""
+    return [(s, l) for l in range(len(model.blocks)) for s in SITES if site_module(model, s, l, False) is not None]
+
+
+@contextmanager
+def hooks(model, edits):
+    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, L, d or the conv's
+    channels) and returns its replacement, or None. Hooks go on exit, even on error."""
+    handles = []
+    try:
+        for (site, layer), fn in edits.items():
+            module = site_module(model, site, layer)
+            if site.endswith("_input"):  # every hooked module takes one input; a returned tensor replaces it
+                handles.append(module.register_forward_pre_hook(lambda mod, args, fn=fn: fn(args[0])))
+            else:
+                handles.append(module.register_forward_hook(lambda mod, args, out, fn=fn: fn(out)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def read_at(positions, into, key=()):
+    """A hook fn that stores the activation at named positions: into[key + (name,)] = x[b, positions[name][b]]
+    (B, d). A position of -1 (none in this document) reads position 0, which the caller ignores."""
+    def fn(x):
+        rows = torch.arange(len(x), device=x.device)
+        for name, p in positions.items():
+            into[key + (name,)] = x[rows, p.clamp(min=0)]
+    return fn
+
+
+def write_at(positions, values):
+    """A hook fn that replaces x[b, positions[b]] by values[b] (B, d), except where positions[b] < 0."""
+    def fn(x):
+        x, rows = x.clone(), (positions >= 0).nonzero()[:, 0]
+        x[rows, positions[rows]] = values[rows].to(x.dtype)
+        return x
+    return fn
+
+
+def interchange(model, corrupted_ids, clean, site, layer, positions, run=None):
+    """run(corrupted_ids) (default: the model, logits (B, L, V)) with the clean activation at `site` of block
+    `layer` patched in at positions (B,), one a document (-1: none). clean: the clean documents (B, L), or
+    their activations there as read_at read them (B, d), as mechanism passes them for a whole grid."""
+    if not clean.is_floating_point():  # token ids: read the clean activation first
+        read = {}
+        with hooks(model, {(site, layer): read_at({"x": positions}, read)}):
+            model.hidden(clean)
+        clean = read["x",]
+    with hooks(model, {(site, layer): write_at(positions, clean)}):
+        return (run or model)(corrupted_ids)
+
+
+def corrupt_tokens(task, split, which, gen):
+    """The split's ids with the token at pos[which] replaced by a uniformly random *other* token of the
+    same class (another key / value for AR, another terminal for ATR)."""
+    lo, hi = task.classes[which]
+    ids, rows, at = split.input_ids.clone(), torch.arange(len(split)), split.pos[which]
+    new = lo + torch.randint(0, hi - lo - 1, (len(split),), generator=gen)  # skip the original below
+    ids[rows, at] = new + (new >= ids[rows, at]).long()
+    return ids
+
+
+@torch.no_grad()
+def mechanism(model, task, corrupt="key", seed=0, split=None):
+    """The grid: interchange at every site x layer x position, one forward a cell over a split (default: eval),
+    the clean activations read in one forward first. Returns p(answer) clean and corrupted, the cells, the verdict."""
+    t0, device = time.time(), next(model.parameters()).device
+    split = task.eval if split is None else split
+    L = int(split.lengths.max())
+    clean = split.input_ids[:, :L].to(device)
+    corrupted = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :L].to(device)
+    query, answer = split.pos["query"].to(device), split.answers.to(device)
+    pos = {k: split.pos[k].to(device) for k in POSITIONS}
+    rows = torch.arange(len(split), device=device)
+
+    def p_answer(ids):  # (M,) probability of the correct answer at the query, without (M, L, V) logits
+        return answer_logits(model, ids, query).softmax(-1)[rows, answer]
+
+    cells = [(site, layer, k) for site, layer in model_cells(model) for k in POSITIONS]
+    acts = {}  # (site, layer, position) -> (M, d): every clean activation the grid patches in
+    with hooks(model, {cell: read_at(pos, acts, cell) for cell in model_cells(model)}):
+        p_clean = p_answer(clean)
+    p_corrupt = p_answer(corrupted)
+    means = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
+    for site, layer, k in cells:
+        p_patched = interchange(model, corrupted, acts[site, layer, k], site, layer, pos[k], p_answer)
+        has = (pos[k] >= 0).float()
+        mean = lambda p: (p * has).sum() / has.sum().clamp(min=1)
+        means.append(torch.stack([mean(p_clean), mean(p_corrupt), mean(p_patched)]))
+    grid = []
+    for (site, layer, k), (clean_p, corrupt_p, patched_p) in zip(cells, torch.stack(means).tolist()):
+        gap = clean_p - corrupt_p
+        grid.append({"site": site, "layer": layer, "position": k, "p_clean": clean_p, "p_corrupt": corrupt_p,
+                     "p_patched": patched_p, "attribution": (patched_p - corrupt_p) / gap if gap > 0.01 else None})
+    result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_clean.mean().item(),
+              "p_corrupt": p_corrupt.mean().item(), "n_layers": len(model.blocks), "grid": grid,
+              "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
+    result["verdict"] = verdict(result)
+    return result
+
+
+READS = {"value": "induction", "key": "direct retrieval", "next_key": "direct retrieval from the next key"}
+
+
+def verdict(mech, threshold=0.5):
+    """The paper's reading of the grid, for two layers:
+
+        layer-0 block_output at the query >= 0.5   direct retrieval in layer 0
+        else the best of layer-1 block_input at:
+          value >= 0.5                             induction (layer 0 stored the key at the value token)
+          key >= 0.5                               direct retrieval in layer 1 (its mixer reads the key)
+          next key >= 0.5                          direct retrieval from the next key (a conv moved it on)
+          none, or a tie                           mixed
+
+    Deeper: the first layer r whose block_output at the query reaches 0.5 (else the last) reads as layer 0,
+    or by its block_input as layer 1. "no verdict": the corruption costs at most 0.01 of p(answer)."""
+    gap = mech["p_clean"] - mech["p_corrupt"]
+    if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
+        return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
+    attr = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
+    n = mech["n_layers"]
+    r = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # see Block
+    if r == 0:
+        return {"kind": "direct retrieval", "layer": 0, "reads": {"query": attr["block_output", 0, "query"]}}
+    reads = {k: attr["block_input", r, k] for k in ("value", "key", "next_key", "query")}
+    first, second = sorted(READS, key=reads.get, reverse=True)[:2]
+    kind = READS[first] if reads[first] >= threshold and reads[first] > reads[second] else "mixed"
+    return {"kind": kind, "layer": r, "reads": reads}
+
+
+def verdict_text(v, numbers=True):
+    """A verdict in words, with the attributions it rests on unless numbers=False."""
+    if v is None:
+        return "-"
+    kind, r = v["kind"], v["layer"]
+    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
+    if not numbers:
+        return name
+    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
+             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
+    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
+
+
+def format_mechanism(mech):
+    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
+    shade = " ░▒▓█"
+    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
+            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f}")
+    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
+    cells = {}
+    for g in mech["grid"]:
+        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
+    for (layer, site), row in cells.items():
+        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
+                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
+                                                         for k in POSITIONS))
+    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
+
+
+def analyze(model, task, cfg, results, log=print, intervene=True):
+    """Adds to results the accuracy on the test documents, if the task has them, and with intervene the grid
+    of each evaluation split (mechanism, mechanism_test)."""
+    if task.test is not None:
+        ev = evaluate(model, task.test)
+        results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
+        log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} "
+            f"on {len(task.test)} documents")
+    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
+        if split is not None:
+            results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
+            log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# The other mixers, a catalogue: each with its paper, equation and original code, registered as Attention is.
+# Skip H3 and its kernel on a first read: the hardest code here, for the paper's weakest model.
+
+def conv_width(cfg, default):
+    """The short-convolution width of cfg (d_conv), or the architecture's default."""
+    return default if cfg.d_conv == "auto" else cfg.d_conv if cfg.d_conv == "long" else int(cfg.d_conv)
 
 
 def positional_features(l_max, emb_dim=3):
@@ -440,7 +916,7 @@ class BaseConv(nn.Module):
 
 class BasedAttention(nn.Module):
     """Based's Taylor linear attention (Arora et al. 2024; zoology mixers/based.py), one head, feature dim f=8:
-        q = x W_qᵀ, k = x W_kᵀ (B, L, f), v = x W_vᵀ; y_t = Σ_{s<=t} φ(q_t)·φ(k_s) v_s / Σ_{s<=t} φ(q_t)·φ(k_s)
+        q, k, v = u W_qᵀ, u W_kᵀ (B, L, f), u W_vᵀ;  y_t = Σ_{s<=t} φ(q_t)·φ(k_s) v_s / Σ_{s<=t} φ(q_t)·φ(k_s)
     with φ the 2nd-order Taylor features (φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√f); no q/k normalisation.
     zoology's init does not down-scale its output projection (proj_o), so it is not marked writes_residual."""
 
@@ -559,11 +1035,11 @@ class H3(nn.Module):
 class Mamba(nn.Module):
     """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.py, Mamba), state N=16, expand 2 (E = 2d channels),
     dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
-        [x | z] = h W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
+        [x | z] = u W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
         y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
     --d_conv 0 drops the convolution (x = SiLU(x)); the width-4 conv1d is still built, unused, as in
-    tinylang's MambaWithoutConv. The block is RMSNorm -> Mamba -> residual, with no MLP."""
-    norm, has_mlp = (lambda d: nn.RMSNorm(d, eps=1e-5)), False  # mamba's RMSNorm eps (torch's default: 1.2e-7)
+    tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block has no MLP (see Block)."""
+    mamba_block = True
 
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()
@@ -583,8 +1059,8 @@ class Mamba(nn.Module):
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def forward(self, h):                                               # (B, L, d)
-        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (B, L, E) each
+    def forward(self, u):                                               # (B, L, d)
+        x, z = self.in_proj(u).chunk(2, dim=-1)                         # (B, L, E) each
         if self.d_conv:
             x = self.conv1d(x)
         x = F.silu(x)
@@ -622,460 +1098,6 @@ class DeltaNet(nn.Module):
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         beta = torch.sigmoid(self.b_proj(x))[..., 0]                    # (B, L)
         return self.o_proj(self.o_norm(kernels.delta_rule(q, k, v, beta)))
-
-
-# ----------------------------------------------------------------------------------------------------
-# The model (tinylang model/arch/zoology.py): embeddings -> blocks that take and return the residual
-# stream -> LayerNorm -> LM head tied to the token embedding. Interventions hook blocks and their mixers.
-
-class MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), writes_residual(nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))  # exact-erf GELU
-
-
-class Block(nn.Module):
-    """Pre-norm residual block: r = r + mixer(LN(r)); r = r + MLP(LN(r)). A mixer class may set
-    `norm` (the pre-norm class) and `has_mlp = False` (Mamba's block has RMSNorm and no MLP)."""
-
-    def __init__(self, cfg, layer_idx):
-        super().__init__()
-        mixer_cls = ARCHS[cfg.arch]
-        norm = getattr(mixer_cls, "norm", nn.LayerNorm)
-        self.norm1 = norm(cfg.d_model)
-        self.mixer = mixer_cls(cfg, layer_idx)
-        has_mlp = getattr(mixer_cls, "has_mlp", True)
-        self.norm2, self.mlp = (nn.LayerNorm(cfg.d_model), MLP(cfg.d_model)) if has_mlp else (None, None)
-
-    def forward(self, r):                # (B, L, d) -> (B, L, d)
-        r = r + self.mixer(self.norm1(r))
-        if self.mlp is not None:
-            r = r + self.mlp(self.norm2(r))
-        return r
-
-
-class LanguageModel(nn.Module):
-    def __init__(self, cfg, vocab_size):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(MAX_LEN, cfg.d_model) if cfg.use_pos_emb else None
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-
-    def hidden(self, ids):               # (B, L) -> (B, L, d), after the final LayerNorm
-        x = self.embed(ids)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x)
-
-    def head(self, h):                   # (..., d) -> (..., V), tied to the token embedding
-        return h @ self.embed.weight.T
-
-    def forward(self, ids):              # (B, L) -> logits (B, L, V)
-        return self.head(self.hidden(ids))
-
-
-def zoology_init(model, n_layers, mamba=False):
-    """zoology's _init_weights (and mamba_ssm's for Mamba). Non-Mamba models: every Linear N(0, 0.02) with zero bias,
-    embeddings N(0, 0.02), then the projections marked writes_residual N(0, 0.02/√(2·n_layers)). Mamba models:
-    Linear weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), the
-    writes_residual projection is redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own."""
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and not mamba):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
-            nn.init.zeros_(m.bias)
-    for m in (m for m in model.modules() if getattr(m, "writes_residual", False)):
-        if mamba:
-            nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
-            with torch.no_grad():
-                m.weight /= math.sqrt(n_layers)
-        else:
-            nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * n_layers))
-
-
-def build_model(cfg, vocab_size):
-    """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = LanguageModel(cfg, vocab_size)
-        zoology_init(model, cfg.n_layers, mamba=cfg.arch == "mamba")
-    return model
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training, as the paper: AdamW (0.9, 0.999), no weight decay, 10 % linear warm-up then cosine to 0,
-# batch 32, fp32, cross-entropy on the answer only. Evaluation: answer accuracy and the mean
-# probability of the answer on the fixed evaluation split.
-
-class NonFiniteLoss(RuntimeError):
-    """The training loss became NaN or infinite."""
-
-
-def answer_logits(model, ids, query):
-    """Logits (B, V) at the query position of each document: ids (B, L), query (B,). Computing the
-    head only where the loss is read saves a (B, L, V) product."""
-    h = model.hidden(ids)                                          # (B, L, d)
-    return model.head(h[torch.arange(len(ids), device=ids.device), query])
-
-
-@torch.no_grad()
-def evaluate(model, split, batch_size=512):
-    """Answer accuracy and mean answer probability on a split; also the predictions (M,)."""
-    device = next(model.parameters()).device
-    preds, probs = [], []
-    for i in range(0, len(split), batch_size):
-        sl = slice(i, i + batch_size)
-        ids = split.input_ids[sl, :int(split.lengths[sl].max())].to(device)
-        logp = answer_logits(model, ids, split.pos["query"][sl].to(device)).log_softmax(-1)  # (B, V)
-        preds.append(logp.argmax(-1).cpu())
-        probs.append(logp.gather(1, split.answers[sl, None].to(device))[:, 0].exp().cpu())
-    preds = torch.cat(preds)
-    return {"acc": (preds == split.answers).float().mean().item(), "p_answer": torch.cat(probs).mean().item(),
-            "preds": preds}
-
-
-def wrong_examples(task, split, preds, k=3, max_tokens=40):
-    """A few wrong predictions as readable text: the document up to the query, then pred vs answer."""
-    out = []
-    for n in (preds != split.answers).nonzero()[:k, 0].tolist():
-        q = int(split.pos["query"][n])
-        toks = split.input_ids[n, max(0, q + 1 - max_tokens):q + 1]
-        pre = "... " if q + 1 > max_tokens else ""
-        out.append(f"{pre}{task.decode(toks)} -> predicted {task.token_names[int(preds[n])]}, "
-                   f"answer {task.token_names[int(split.answers[n])]}")
-    return out
-
-
-def setup(cfg):
-    """cfg's device (auto: CUDA, then MPS, then CPU), with denormals flushed on a CPU (10-20x slower there)
-    and fp32 convolutions on CUDA (torch's default there is TF32)."""
-    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
-    device = next(kind for kind, ok in available.items() if ok) if cfg.device == "auto" else cfg.device
-    if not available[device.split(":")[0]]:
-        raise ConfigError(f"device '{device}' was asked for but {device.split(':')[0].upper()} is not available "
-                          f"here; use auto or cpu")
-    torch.set_flush_denormal(device == "cpu")
-    torch.backends.cudnn.allow_tf32 = False
-    return device
-
-
-def adamw(model, lr, device):
-    """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                             fused=device.startswith(("cpu", "cuda", "mps")))
-
-
-def answer_loss(model, ids, query, answer):
-    """The training loss: the cross-entropy of the answer at the query."""
-    return F.cross_entropy(answer_logits(model, ids, query), answer)
-
-
-def step_loss(compile, device):
-    """answer_loss, or compiled (forward and backward; CUDA graphs on CUDA). Analysis runs on the module."""
-    if not compile:
-        return answer_loss
-    torch._dynamo.reset()  # one model per compile cache: a run, or each architecture of --bench
-    mode = "reduce-overhead" if device.startswith("cuda") else None
-    return torch.compile(answer_loss, mode=mode, dynamic=False)
-
-
-def train_step(model, optimizer, ids, query, answer, loss_fn=answer_loss):
-    """One optimiser step on answer_loss (or its compiled form); returns the loss."""
-    loss = loss_fn(model, ids, query, answer)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def lr_factor(step, warmup_steps, total_steps):
-    """Linear warm-up to 1 over warmup_steps, then cosine decay to 0 at total_steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-class Batches:
-    """The batch order: epochs over the training documents, each a fresh permutation from the run's own
-    generator, or with fixed=True the stored order every epoch, as the authors' trainer (tinylang
-    experiment.py: batch k is documents [kB, kB+B)). The last partial batch is dropped. The order is kept on
-    the device too: a copy per step would make the CPU wait for the GPU. next() gives the batch's indices
-    there and the length its padding is trimmed to."""
-
-    def __init__(self, lengths, batch_size, seed, device="cpu", compile=False, fixed=False):
-        self.lengths, self.B, self.device, self.compile, self.fixed = lengths, batch_size, device, compile, fixed
-        self.gen, self.order, self.cursor = torch.Generator().manual_seed(seed), None, len(lengths)
-
-    def next(self):
-        if self.cursor + self.B > len(self.lengths):  # a new epoch
-            n = len(self.lengths)
-            self.set_order(torch.arange(n) if self.fixed else torch.randperm(n, generator=self.gen), 0)
-        span, self.cursor = slice(self.cursor, self.cursor + self.B), self.cursor + self.B
-        L = int(self.lengths[self.order[span]].max())  # ATR lengths vary
-        if self.compile:  # a power of two from 16 (at most the longest document): few shapes to compile for
-            L = min(max(16, 1 << (L - 1).bit_length()), int(self.lengths.max()))
-        return self.on_device[span], L
-
-    def set_order(self, order, cursor):
-        self.order, self.cursor, self.on_device = order, cursor, order.to(self.device)
-
-    def state_dict(self):
-        return {"batch_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
-
-    def load_state_dict(self, state):
-        self.gen.set_state(state["batch_gen"])
-        self.set_order(state["order"], state["cursor"])
-
-
-def train(cfg, task=None, log=print):
-    """Train the model of cfg on its task as the paper, into out_dir/run_name, and return the results. An
-    unfinished run there continues on the same trajectory; a NaN loss raises NonFiniteLoss after saving."""
-    cfg.validate()
-    device = setup(cfg)
-    ckpt = open_run_folder(cfg)  # the checkpoint of an unfinished run to continue, or None
-    log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
-    t0 = time.time()
-    task = task or make_task(cfg)
-    log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, vocabulary "
-        f"{task.vocab_size:,}, built in {time.time() - t0:.1f}s")
-    model = build_model(cfg, task.vocab_size).to(device)
-    run = Run(cfg, task, model, ckpt, log)  # results, progress lines and checkpoints in the run folder
-    log(f"model {cfg.arch}: {run.results['n_params']:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, "
-        f"device {device}")
-    optimizer = adamw(model, cfg.lr, device)
-    warmup_steps = int(cfg.warmup * cfg.steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
-    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
-    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
-    ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
-    loss_fn = step_loss(cfg.compile, device)  # ATR's lengths are bucketed when compiled (Batches)
-    loss_sum, ev = torch.zeros((), device=device), None
-    for step in range(run.resume(state), cfg.steps + 1):  # from 1, or from the checkpoint's next step
-        idx, L = batches.next()
-        loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx], loss_fn).detach()
-        schedule.step()
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            ev = run.evaluation(step, loss_sum, model, schedule.get_last_lr()[0])
-            run.checkpoint(step, state)
-            if run.reached(ev["acc"]):
-                break
-            loss_sum = torch.zeros((), device=device)
-    run.complete(model, ev or evaluate(model, task.eval))  # ev is None if the checkpoint was the last step
-    if task.test is not None or cfg.analyze:
-        write_json(run.path("results.json"), analyse(model, task, cfg, run.results, log, cfg.analyze))
-    return run.results
-
-
-def analyse(model, task, cfg, results, log=print, intervene=True):
-    """Adds to results the accuracy on the generalisation split's test documents, if the task has them, and
-    with intervene=True the intervention grid of each evaluation split (mechanism, mechanism_test)."""
-    if task.test is not None:
-        ev = evaluate(model, task.test)
-        results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
-        log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} "
-            f"on {len(task.test)} documents")
-    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
-        if split is not None:
-            results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
-            log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
-    return results
-
-
-# ----------------------------------------------------------------------------------------------------
-# Interchange interventions (the paper's metric; tinylang eval/interchange.py). Corrupt one context token
-# (the base run), patch one activation of the clean document (the source run) back in at one site, layer and
-# position, and measure how much of the answer's probability returns at the query:
-#     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
-# Sites are forward hooks on model.blocks[l] (residual stream in / out), its mixer (normed input / output)
-# and its MLP, the same for every architecture, and on the mixer's short convolution (conv_output, before
-# any activation): patched at the next key, it shows the convolution carrying the key forward.
-
-SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
-POSITIONS = ("key", "value", "next_key", "divider", "query")
-
-
-def short_conv_of(mixer):
-    """The short causal convolution a mixer calls (a ShortConv), or None."""
-    return next((mod for mod in mixer.modules() if isinstance(mod, ShortConv)), None)
-
-
-def site_module(model, site, layer, strict=True):
-    """The module whose input or output is `site` of block `layer`, or with strict=False None where it has none."""
-    if site not in SITES:
-        raise ValueError(f"unknown site '{site}'; allowed: {', '.join(SITES)}")
-    if not 0 <= layer < len(model.blocks):
-        raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(model.blocks) - 1}")
-    block = model.blocks[layer]
-    part = site.rsplit("_", 1)[0]
-    module = {"block": block, "mixer": block.mixer, "mlp": block.mlp, "conv": short_conv_of(block.mixer)}[part]
-    if module is None and strict:
-        raise ValueError(f"site '{site}' does not exist in layer {layer}: " + (
-            "its blocks have no MLP (Mamba); use block_* or mixer_* sites" if part == "mlp"
-            else f"its {type(block.mixer).__name__} mixer has no short convolution"))
-    return module
-
-
-def model_cells(model):
-    """Every (site, layer) the model has."""
-    return [(s, l) for l in range(len(model.blocks)) for s in SITES if site_module(model, s, l, False) is not None]
-
-
-@contextmanager
-def hooks(model, edits):
-    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, L, d; conv_output has
-    the conv's channels) and returns its replacement, or None to leave it. Hooks go on exit, even on error."""
-    handles = []
-    try:
-        for (site, layer), fn in edits.items():
-            module = site_module(model, site, layer)
-            if site.endswith("_input"):  # every hooked module takes one input; a returned tensor replaces it
-                handles.append(module.register_forward_pre_hook(lambda mod, args, fn=fn: fn(args[0])))
-            else:
-                handles.append(module.register_forward_hook(lambda mod, args, out, fn=fn: fn(out)))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def read_at(positions, into, key=()):
-    """A hook fn that stores the activation at named positions: into[key + (name,)] = x[b, positions[name][b]]
-    (B, d). A position of -1 (none in this document) reads position 0, which the caller ignores."""
-    def fn(x):
-        rows = torch.arange(len(x), device=x.device)
-        for name, p in positions.items():
-            into[key + (name,)] = x[rows, p.clamp(min=0)]
-    return fn
-
-
-def write_at(positions, values):
-    """A hook fn that replaces x[b, positions[b]] by values[b] (B, d), except where positions[b] < 0."""
-    def fn(x):
-        x, rows = x.clone(), (positions >= 0).nonzero()[:, 0]
-        x[rows, positions[rows]] = values[rows].to(x.dtype)
-        return x
-    return fn
-
-
-def interchange(model, base_ids, source_ids, site, layer, positions):
-    """Logits (B, L, V) of the base run with the source run's activation at `site` of block `layer`
-    patched in at one position per document: positions (B,), -1 for "no patch in this document"."""
-    source = {}
-    with hooks(model, {(site, layer): read_at({"x": positions}, source)}):
-        model.hidden(source_ids)
-    with hooks(model, {(site, layer): write_at(positions, source["x",])}):
-        return model(base_ids)
-
-
-def corrupt_tokens(task, split, which, gen):
-    """The split's ids with the token at pos[which] replaced by a uniformly random *other* token of the
-    same class (another key / value for AR, another terminal for ATR)."""
-    lo, hi = task.classes[which]
-    ids, rows, at = split.input_ids.clone(), torch.arange(len(split)), split.pos[which]
-    new = lo + torch.randint(0, hi - lo - 1, (len(split),), generator=gen)  # skip the original below
-    ids[rows, at] = new + (new >= ids[rows, at]).long()
-    return ids
-
-
-@torch.no_grad()
-def mechanism(model, task, corrupt="key", seed=0, split=None):
-    """The interchange-intervention grid on a split (default: eval): every site x layer x position, one
-    batched forward per cell; returns the mean clean / corrupted probabilities, the cells and the verdict."""
-    t0, device = time.time(), next(model.parameters()).device
-    split = task.eval if split is None else split
-    L = int(split.lengths.max())
-    clean = split.input_ids[:, :L].to(device)
-    base = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :L].to(device)
-    query, answer = split.pos["query"].to(device), split.answers.to(device)
-    pos = {k: split.pos[k].to(device) for k in POSITIONS}
-    rows = torch.arange(len(split), device=device)
-
-    def p_answer(ids):  # (M,) probability of the correct answer at the query
-        return answer_logits(model, ids, query).softmax(-1)[rows, answer]
-
-    cells = model_cells(model)
-    clean_acts = {}  # (site, layer, position) -> (M, d), from one clean forward
-    with hooks(model, {cell: read_at(pos, clean_acts, cell) for cell in cells}):
-        p_clean = p_answer(clean)
-    p_corrupt = p_answer(base)
-    stats = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
-    for cell in cells:
-        for k in POSITIONS:
-            with hooks(model, {cell: write_at(pos[k], clean_acts[cell + (k,)])}):
-                p_patched = p_answer(base)
-            valid = (pos[k] >= 0).float()
-            stats.append(torch.stack([(p * valid).sum() / valid.sum().clamp(min=1)
-                                      for p in (p_clean, p_corrupt, p_patched)]))
-    grid = [{"site": site, "layer": layer, "position": k, "p_clean": o, "p_corrupt": c, "p_patched": r,
-             "attribution": (r - c) / (o - c) if o - c > 0.01 else None}
-            for (site, layer, k), (o, c, r) in zip([cell + (k,) for cell in cells for k in POSITIONS],
-                                                   torch.stack(stats).tolist())]  # one transfer for the grid
-    result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_clean.mean().item(),
-              "p_corrupt": p_corrupt.mean().item(), "n_layers": len(model.blocks), "grid": grid,
-              "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
-    result["verdict"] = verdict(result)
-    return result
-
-
-def verdict(mech, threshold=0.5):
-    """Read the grid as the paper does, for any depth. The retrieving layer r is the first whose
-    block_output at the query carries the answer (attribution >= threshold). r = 0: direct retrieval in
-    layer 0. Otherwise the block_input of layer r says what layer r reads: the value token (induction:
-    earlier layers stored the key at the value), the key itself (direct retrieval by layer r's mixer) or
-    the next key (direct retrieval from a token the key was copied forward to). For 2 layers this is the
-    paper's reading of layer-1 block_input: value => induction, query => direct retrieval in layer 0,
-    key => direct retrieval in layer 1. Returns {"kind", "layer": r, "reads": the attributions read};
-    kind is induction, direct retrieval, direct retrieval from the next key, mixed or no verdict."""
-    gap = mech["p_clean"] - mech["p_corrupt"]
-    if gap <= 0.01:  # the corruption does not hurt this model, so attributions would be noise
-        return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
-    a = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
-    L = mech["n_layers"]
-    r = next((l for l in range(L) if a["block_output", l, "query"] >= threshold), L - 1)
-    if r == 0:
-        return {"kind": "direct retrieval", "layer": 0, "reads": {"query": a["block_output", 0, "query"]}}
-    reads = {k: a["block_input", r, k] for k in ("value", "key", "next_key", "query")}
-    best = max(("value", "key", "next_key"), key=reads.get)
-    tie = [reads[k] for k in ("value", "key", "next_key")].count(reads[best]) > 1  # no position stands out
-    kind = "mixed" if reads[best] < threshold or tie else \
-        {"value": "induction", "key": "direct retrieval", "next_key": "direct retrieval from the next key"}[best]
-    return {"kind": kind, "layer": r, "reads": reads}
-
-
-def verdict_text(v, numbers=True):
-    """A verdict in words, with the attributions it rests on unless numbers=False."""
-    if v is None:
-        return "-"
-    kind, r = v["kind"], v["layer"]
-    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
-    if not numbers:
-        return name
-    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
-             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
-    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
-
-
-def format_mechanism(mech):
-    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
-    shade = " ░▒▓█"
-    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
-            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f}")
-    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
-    cells = {}
-    for g in mech["grid"]:
-        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
-    for (layer, site), row in cells.items():
-        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
-                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
-                                                         for k in POSITIONS))
-    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1127,109 +1149,76 @@ def fmt_time(s):
     return f"{s / 3600:.1f}h" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
-class Run:
-    """The bookkeeping of one training run in its folder out_dir/run_name: the results dict (history,
-    status, timing), progress lines, the checkpoints a rerun continues from, and the final files."""
-
-    def __init__(self, cfg, task, model, ckpt=None, log=print):
-        self.cfg, self.task, self.ckpt, self.log, self.dir = cfg, task, ckpt, log, os.path.join(cfg.out_dir, cfg.run_name)
-        self.results = {"config": asdict(cfg), "status": "running", "n_params": sum(p.numel() for p in model.parameters()),
-                        "steps_done": 0, "history": [], "train_seconds": 0.0}
-
-    def path(self, name):
-        return os.path.join(self.dir, name)
-
-    def reached(self, acc):
-        return self.cfg.target_acc > 0 and acc >= self.cfg.target_acc
-
-    def resume(self, state):
-        """Load the checkpoint into state and the results; returns the first step to run (past the end if stopped early)."""
-        self.t_interval = time.time()
-        if self.ckpt:
-            for name, obj in state.items():
-                obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
-            self.results = self.ckpt["results"]
-            self.log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {self.cfg.steps:,}")
-        history = self.results["history"]
-        return self.cfg.steps + 1 if history and self.reached(history[-1]["acc"]) else self.results["steps_done"] + 1
-
-    def evaluation(self, step, loss_sum, model, lr):
-        """Evaluate, record it in the history and print the progress line; a non-finite loss raises NonFiniteLoss."""
-        r, cfg = self.results, self.cfg
-        n = step - r["steps_done"]  # steps since the last evaluation
-        train_loss, dt = (loss_sum / n).item(), time.time() - self.t_interval
-        r["train_seconds"] += dt
-        if not math.isfinite(train_loss):
-            self.finish("nonfinite")
-            raise NonFiniteLoss(f"the training loss became {train_loss} between steps {step - n + 1} and {step} "
-                                f"(lr={cfg.lr:g}); {self.dir} keeps config.json, results.json and the last good checkpoint")
-        ev = evaluate(model, self.task.eval)
-        r["history"].append({"step": step, "loss": round(train_loss, 5), "acc": ev["acc"],
-                             "p_answer": round(ev["p_answer"], 5), "lr": lr})
-        r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
-                 best_acc=max(ev["acc"], r.get("best_acc", 0.0)))
-        self.log(f"step {step:>6}/{cfg.steps} | loss {train_loss:.4f} | acc {ev['acc']:.4f} | p(answer) "
-                 f"{ev['p_answer']:.3f} | {1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}")
-        return ev
-
-    def checkpoint(self, step, state):
-        """model.pt with all that the loop carries from step to step (state: name -> object), and results.json."""
-        saved = {name: obj.state_dict() for name, obj in state.items() if name != "batches"}
-        torch.save({"config": asdict(self.cfg), "vocab_size": self.task.vocab_size, "step": step, **saved,
-                    **state["batches"].state_dict(), "results": self.results}, self.path("model.pt"))
-        write_json(self.path("results.json"), self.results)
-        self.t_interval = time.time()
-
-    def finish(self, status):
-        r = self.results
-        r.update(status=status, train_seconds=round(r["train_seconds"], 2),
-                 ms_per_step=round(1000 * r["train_seconds"] / max(1, r["steps_done"]), 3))
-        write_json(self.path("results.json"), r)
-
-    def complete(self, model, ev):
-        """The final files: the weights without the resume state, the results with a few wrong answers."""
-        r = self.results
-        torch.save({"config": asdict(self.cfg), "vocab_size": self.task.vocab_size, "step": r["steps_done"],
-                    "model": model.state_dict()}, self.path("model.pt"))
-        r["wrong_examples"] = wrong_examples(self.task, self.task.eval, ev["preds"])
-        self.finish("target reached" if self.reached(ev["acc"]) else "completed")
-        self.log(f"done ({r['status']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
-                 f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} | "
-                 f"{r['n_params']:,} parameters | {self.dir}")
-        for line in r["wrong_examples"]:
-            self.log("  wrong: " + line)
+def default_run_name(cfg):
+    """The run folder's name when none is given: the settings a sweep or preset varies."""
+    extra = f"_{cfg.atr_setting}" + ("" if cfg.atr_split == "iid" else f"_{cfg.atr_split}") if cfg.task == "atr" else ""
+    extra += ("" if cfg.d_conv == "auto" else f"_c{cfg.d_conv}") + "_fixed" * (cfg.batch_order == "fixed")
+    return f"{cfg.task}{extra}_{cfg.arch}_d{cfg.d_model}_l{cfg.n_layers}_lr{cfg.lr:g}_s{cfg.seed}"
 
 
 FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
 
 
 def run_settings(config):
-    """What a run computes: its config dict without where it is written, its device and --compile (they change
-    only the float order); a setting that a folder written before it existed lacks is its default."""
+    """What a run computes: its config without out_dir, device and compile (they move only the float order);
+    a setting missing from an older folder takes its default."""
     return {f.name: config.get(f.name, f.default) for f in fields(Config)
             if f.name not in ("out_dir", "device", "compile")}
 
 
-def open_run_folder(cfg):
-    """Make the run folder and write cfg there as config.json; returns the checkpoint of an unfinished run of
-    the same settings there, else None. A folder of other settings is refused: nothing there is lost."""
-    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    cfg_path, ckpt_path, results_path = (os.path.join(run_dir, f) for f in ("config.json", "model.pt", "results.json"))
-    resume = None
-    if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            old, new = run_settings(json.load(f)), run_settings(asdict(cfg))
-        k = next((k for k in {**old, **new} if old.get(k) != new.get(k)), None)
-        if k is not None:
-            raise ConfigError(f"{run_dir} holds a run with {k}={old.get(k)}, not {k}={new.get(k)}; give another "
-                              f"--run_name or --out_dir, or delete that folder")
-        status = json.load(open(results_path)).get("status") if os.path.isfile(results_path) else None
-        if status not in FINISHED and os.path.isfile(ckpt_path):
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-            resume = ckpt if "optimizer" in ckpt else None
-    write_json(cfg_path, asdict(cfg))
-    return resume
+class RunFolder:
+    """out_dir/run_name: config.json, results.json and model.pt (a checkpoint every eval_every steps, the weights
+    alone at the end). A folder that holds a run of other settings is refused, and nothing in it changes."""
+
+    def __init__(self, cfg):
+        self.cfg, self.dir = cfg, os.path.join(cfg.out_dir, cfg.run_name)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run folder {self.dir} ({e.strerror}); give another "
+                              f"--out_dir") from None
+        self.ckpt = None  # the checkpoint of an unfinished run of the same settings, to continue from
+        if os.path.isfile(self.path("config.json")):
+            old, new = run_settings(json.load(open(self.path("config.json")))), run_settings(asdict(cfg))
+            k = next((k for k in {**old, **new} if old.get(k) != new.get(k)), None)
+            if k is not None:
+                raise ConfigError(f"{self.dir} holds a run with {k}={old.get(k)}, not {k}={new.get(k)}; give "
+                                  f"another --run_name or --out_dir, or delete that folder")
+            done = os.path.isfile(self.path("results.json")) and \
+                json.load(open(self.path("results.json"))).get("status") in FINISHED
+            if not done and os.path.isfile(self.path("model.pt")):
+                ckpt = torch.load(self.path("model.pt"), map_location="cpu", weights_only=True)
+                self.ckpt = ckpt if "optimizer" in ckpt else None
+        write_json(self.path("config.json"), asdict(cfg))
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def restore(self, state, log=print):
+        """Load the checkpoint into state (name -> object) and return its results; None without one."""
+        if self.ckpt is None:
+            return None
+        for name, obj in state.items():
+            obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
+        log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {self.cfg.steps:,}")
+        return self.ckpt["results"]
+
+    def checkpoint(self, step, state, results):
+        """model.pt with all that the loop carries (state: name -> object), and results.json."""
+        saved = {name: obj.state_dict() for name, obj in state.items() if name != "batches"}
+        torch.save({"config": asdict(self.cfg), "vocab_size": state["model"].embed.num_embeddings, "step": step,
+                    **saved, **state["batches"].state_dict(), "results": results}, self.path("model.pt"))
+        write_json(self.path("results.json"), results)
+
+    def save(self, results, status=None, model=None):
+        """results.json; with a status, the run's end; with a model, model.pt as its final weights."""
+        if status:
+            results.update(status=status, train_seconds=round(results["train_seconds"], 2),
+                           ms_per_step=round(1000 * results["train_seconds"] / max(1, results["steps_done"]), 3))
+        if model is not None:
+            torch.save({"config": asdict(self.cfg), "vocab_size": model.embed.num_embeddings,
+                        "step": results["steps_done"], "model": model.state_dict()}, self.path("model.pt"))
+        write_json(self.path("results.json"), results)
 
 
 # Settings that do not change a trained model: given with --load they replace the saved ones. Any other
@@ -1237,9 +1226,9 @@ def open_run_folder(cfg):
 EVAL_ONLY_FIELDS = ("device", "compile", "n_eval", "out_dir", "analyze", "corrupt")
 
 
-def load_run(run_dir, expect=None):
-    """(cfg, model) of a run folder written by train(). expect: settings the caller requires; a
-    mismatch, a missing or a non-fitting checkpoint raises ConfigError with one sentence."""
+def load_run(run_dir, **expect):
+    """(cfg, model) of a run folder. expect: settings given with it (EVAL_ONLY_FIELDS replace the saved ones);
+    a mismatch, a bad setting, a missing or a non-fitting checkpoint raises ConfigError."""
     path = os.path.join(run_dir, "model.pt")
     if not os.path.isfile(path):
         raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
@@ -1248,12 +1237,11 @@ def load_run(run_dir, expect=None):
         cfg = Config(**ckpt["config"])
     except TypeError as e:
         raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
-    for k, v in (expect or {}).items():
-        if k in EVAL_ONLY_FIELDS:
-            setattr(cfg, k, v)
-        elif getattr(cfg, k) != v:
-            raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={v}; "
-                              f"drop --{k} or load a run that matches")
+    k = next((k for k, v in expect.items() if k not in EVAL_ONLY_FIELDS and getattr(cfg, k) != v), None)
+    if k is not None:
+        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={expect[k]}; "
+                          f"drop --{k} or load a run that matches")
+    cfg = replace(cfg, **{k: v for k, v in expect.items() if k in EVAL_ONLY_FIELDS})
     model = build_model(cfg, ckpt["vocab_size"])
     try:
         model.load_state_dict(ckpt["model"])
@@ -1281,30 +1269,26 @@ PAPER_ATR_GEN = {  # ATR easy generalisation split (20 % of pairs held out), d=6
 
 
 def paper_lrs(task, arch):
-    """The paper's learning-rate grid: 3e-5 .. 3e-3, plus 1e-2 and 3e-2 for non-attention models on AR."""
+    """The paper's rates: 3e-5 .. 3e-3, and 1e-2 and 3e-2 for non-attention models on AR."""
     return (3e-5, 1e-4, 3e-4, 1e-3, 3e-3) + ((1e-2, 3e-2) if task == "ar" and arch != "attention" else ())
 
 
 def paper_acc(cfg, test=False):
-    """The paper's accuracy (%) for cfg's task, architecture and width (test=True: on the generalisation
-    split's test documents), or None where the paper has no such model; the training length is not checked."""
-    if (cfg.n_layers, cfg.d_conv, cfg.batch_size, cfg.n_train) != (2, "auto", 32, 100_032) or cfg.pos_emb != "auto":
+    """The paper's accuracy (%) for cfg (test=True: the generalisation split's test documents), or None where the
+    paper has no such model; the training length is not checked."""
+    if (cfg.n_layers, cfg.d_conv, cfg.pos_emb, cfg.batch_size, cfg.n_train) != (2, "auto", "auto", 32, 100_032):
         return None
-    if cfg.task == "ar" and cfg.arch in PAPER_AR and cfg.d_model in PAPER_WIDTHS \
-            and (cfg.n_pairs, cfg.n_keys, cfg.n_values) == (16, 4096, 4096):
-        return None if test else PAPER_AR[cfg.arch][PAPER_WIDTHS.index(cfg.d_model)]
-    if cfg.task == "atr" and (cfg.atr_setting, cfg.atr_split) == ("easy", "iid") and cfg.arch in PAPER_ATR_EASY \
-            and cfg.d_model in (16, 64, 256):
-        return None if test else PAPER_ATR_EASY[cfg.arch][(16, 64, 256).index(cfg.d_model)]
-    if cfg.task == "atr" and (cfg.atr_setting, cfg.atr_split, cfg.atr_heldout, cfg.d_model) == ("easy", "gen", 0.2, 64) \
-            and cfg.arch in PAPER_ATR_GEN:
-        return PAPER_ATR_GEN[cfg.arch][test]
+    if cfg.task == "ar" and (cfg.n_pairs, cfg.n_keys, cfg.n_values) == (16, 4096, 4096) and not test:
+        return dict(zip(PAPER_WIDTHS, PAPER_AR.get(cfg.arch, ()))).get(cfg.d_model)
+    if cfg.task == "atr" and (cfg.atr_setting, cfg.atr_split) == ("easy", "iid") and not test:
+        return dict(zip((16, 64, 256), PAPER_ATR_EASY.get(cfg.arch, ()))).get(cfg.d_model)
+    if (cfg.task, cfg.atr_setting, cfg.atr_split, cfg.atr_heldout, cfg.d_model) == ("atr", "easy", "gen", 0.2, 64):
+        return PAPER_ATR_GEN.get(cfg.arch, (None, None))[test]
     return None
 
 
 def run_or_load(cfg, log=print):
-    """The results of cfg's run: those of a finished run of the same settings in its folder (the device,
-    --compile and the folder's spelling do not count), else trained now. A NaN loss is a finished result."""
+    """cfg's results: a finished run of the same settings in its folder, else trained now (NaN: finished)."""
     path = os.path.join(cfg.out_dir, cfg.run_name, "results.json")
     old = json.load(open(path)) if os.path.isfile(path) else {}
     if old.get("status") in FINISHED and run_settings(old.get("config", {})) == run_settings(asdict(cfg)):
@@ -1321,15 +1305,15 @@ def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker pr
 
 
 def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print, seeds=None, shard=None):
-    """Train base at every width x learning rate x seed (finished runs are reused), keep the best rate per width
-    and write summary.md / summary.json to base.out_dir (see run_sweeps and best_rows)."""
+    """Train base at every width x rate x seed (finished runs are reused), keep the best rate per width and
+    write summary.md / summary.json to base.out_dir."""
     return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log,
                       seeds, shard)
 
 
 def run_all(cfgs, jobs=1, log=print):
-    """run_or_load every config; with jobs > 1 in that many fresh processes at once (one per run), each
-    given an equal share of the CPU threads so that CPU jobs do not oversubscribe the cores."""
+    """run_or_load every config; with jobs > 1 in that many fresh processes at once (one a run), each with an
+    equal share of the CPU threads."""
     def done(i, cfg, r):
         log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
         return r
@@ -1342,8 +1326,8 @@ def run_all(cfgs, jobs=1, log=print):
 
 
 def best_rows(label, cfgs, results, widths):
-    """The best learning rate per width of one sweep as summary rows, chosen on the mean over its seeds: that
-    rate's seed_stats beside the paper's accuracy, the verdict of its most accurate seed, and every rate's."""
+    """Summary rows of one sweep: per width the best rate on the mean over seeds, with its seed_stats, the
+    paper's accuracy, the verdict of its best seed, and every rate's stats."""
     rows = []
     for d in widths:
         by_lr = {}
@@ -1355,17 +1339,16 @@ def best_rows(label, cfgs, results, widths):
         cfg, best = max(by_lr[lr], key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
         rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": lr,
                      "run": cfg.run_name, **stats[lr], "paper_acc": paper_acc(cfg), "steps": best.get("steps_done"),
+                     "paper_test_acc": paper_acc(cfg, test=True),  # the generalisation split's test documents
                      "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False),
                      "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{lr:g}": {k: v for k, v in s.items() if "attribution" not in k}
                                    for lr, s in stats.items()}})
-        if "test_acc" in best:  # the generalisation split: its test documents beside the dev ones
-            rows[-1]["paper_test_acc"] = paper_acc(cfg, test=True)
     return rows
 
 
 def last_layer_reads(mech):
-    """The last layer's block_input attribution at value, key and query of a mechanism grid (or Nones)."""
+    """The last layer's block_input attribution at value, key and query (or Nones)."""
     mech = mech or {}
     attr = {g["position"]: g["attribution"] for g in mech.get("grid", [])
             if g["site"] == "block_input" and g["layer"] == mech["n_layers"] - 1}
@@ -1373,9 +1356,8 @@ def last_layer_reads(mech):
 
 
 def seed_stats(runs):
-    """Over the results of one width and rate, a run per seed: the accuracy's mean, sample std (None for one
-    seed), min and max (%), how many seeds succeeded (at least 50 %), and the last layer's block_input
-    attribution averaged over the seeds that succeeded (over all of them when none did); likewise the test split's."""
+    """One width and rate over seeds: the accuracy's mean, sample std (None for one seed), min and max (%), the
+    seeds at 50 % or more, and the last layer's block_input attribution averaged over those (else over all)."""
     pct = lambda key: [100 * r.get(key, 0.0) for r in runs]
     acc = pct("final_acc")
     ok = [r for r, a in zip(runs, acc) if a >= 50] or runs
@@ -1401,8 +1383,8 @@ def md_table(header, rows):
 
 
 def save_summary(out_dir, title, rows, log=print):
-    """summary.json and the markdown tables summary.md in out_dir (also logged): the best rate per width,
-    every rate's spread over seeds where there are several, and the generalisation split's dev -> test."""
+    """summary.json and summary.md in out_dir (also logged): the best rate per width, each rate's spread over
+    seeds where there are several, and the generalisation split's dev -> test."""
     gen = [r for r in rows if "test_acc" in r]
     pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
     spread = lambda s: (pm(s), f"{s['acc_min']:.2f}–{s['acc_max']:.2f}", f"{s['successes']}/{s['n']}")
@@ -1429,9 +1411,8 @@ def save_summary(out_dir, title, rows, log=print):
 
 
 def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None, shard=None):
-    """Sweep each (label, config) entry over widths x lrs x seeds (default: the paper's rates, 0 = the default
-    rate; the entry's own seed), all in one pool of jobs; then a summary in out_dir over all entries, and one
-    in each entry's folder. shard = (i, n): only every n-th run from the i-th, no summary (a job array)."""
+    """Sweep each (label, config) entry over widths x lrs (default: the paper's) x seeds in one pool of jobs,
+    then summarise in out_dir and in each entry's folder. shard = (i, n): runs i, i+n, ... only."""
     grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
               for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
     every = lambda name: sorted({getattr(c, name) for g in grids for c in g})
@@ -1451,8 +1432,8 @@ def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None
 
 
 def presets():
-    """The paper's experiments as named lists of (label, settings); each entry is swept over the widths, learning
-    rates and seeds given, else those of PRESET_GRID, else the paper's for its task and architecture, one seed."""
+    """The paper's experiments as lists of (label, settings), swept over the widths, rates and seeds given,
+    else PRESET_GRID's, else the paper's, one seed."""
     archs = list(ARCHS)
     return {
         "ar": [(a, dict(task="ar", arch=a)) for a in archs],
@@ -1460,10 +1441,11 @@ def presets():
         "mamba_conv": [(f"mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w)) for w in "01234"],
         "based_conv": [(f"based_c{w}", dict(task="ar", arch="based", d_conv=w)) for w in ("1", "2", "3", "4", "long")],
         "layers": [(f"{a}_{n}l", dict(task="ar", arch=a, n_layers=n)) for a in archs for n in (1, 3)],
+        "pos_emb": [(f"{a}_pos_{p}", dict(task="ar", arch=a, pos_emb=p))  # App. D.1: the default flipped
+                    for a, p in (("attention", "off"), ("mamba", "on"), ("based", "on"), ("hyena", "on"))],
         "atr_gen": [(a, dict(task="atr", arch=a, atr_split="gen")) for a in archs],
         "seeds": [(a, dict(task="ar", arch=a)) for a in archs],
-        # The paper's central contrasts on a 2-core CPU in a few hours (the README's reduced reproduction):
-        # one width, default learning rates, shortened schedules except attention's (see the README).
+        # The paper's central contrasts in a few hours on 2 CPU cores: one width, default rates, shorter schedules.
         "reduced": [(f"ar_{a}", dict(task="ar", arch=a, steps=0 if a == "attention" else 20_000))
                     for a in ("attention", "based", "deltanet", "mamba")]
                    + [(f"ar_mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w, steps=20_000)) for w in "10"]
@@ -1474,13 +1456,13 @@ def presets():
     }
 
 
-# Widths, learning rates and seeds of a preset when the command line gives none (0 = the architecture's default).
+# A preset's widths, rates and seeds when the command line gives none (0 = the architecture's default rate).
 PRESET_GRID = {"reduced": ((64,), (0.0,), None), "seeds": (PAPER_WIDTHS, None, (0, 1, 2))}
 
 
 def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None, shard=None):
-    """Every sweep of a preset, each into out_dir/<label>/. args: the user's Config settings (a dict), under
-    the preset's own; settings left out resolve per entry (an ATR entry gets ATR's schedule)."""
+    """Every sweep of a preset, each into out_dir/<label>/. args: the user's settings, under the preset's own;
+    those left out resolve per entry (an ATR entry gets ATR's schedule)."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
@@ -1493,10 +1475,9 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None,
 
 
 def plot(folder, log=print):
-    """PNGs of a sweep or preset folder's summary.json, like the paper's figures: accuracy against width
-    per entry (the paper's numbers dashed beside ours where it has them), and the last layer's block_input
-    attribution at value / key / query of each entry's most accurate run (on dev and test for the
-    generalisation split). Needs matplotlib, which the rest of mecheval does not."""
+    """PNGs of a sweep or preset folder, like the paper's figures: accuracy by width per entry (the paper's
+    dashed), and the last layer's block_input attribution at value / key / query of each entry's best run
+    (dev and test on the generalisation split). Needs matplotlib, which nothing else needs."""
     path = os.path.join(folder, "summary.json")
     if not os.path.isfile(path):
         raise ConfigError(f"no summary.json in {folder}; --plot takes a folder written by --sweep or --preset")
@@ -1540,9 +1521,8 @@ def plot(folder, log=print):
 
 
 def bench_steps(cfg, n=20, log=print):
-    """ms per training step (forward, backward, AdamW) of every architecture at cfg's sizes and task, median of
-    n after a first, and the ratio to attention's; with compile also compiled, eager and compiled timed in 3
-    alternating rounds (the fastest kept), so that a busy machine slows both alike."""
+    """ms a training step of every architecture at cfg's sizes, median of n after a first, and the ratio to
+    attention's; with compile also compiled, both timed in 3 alternating rounds (the fastest kept)."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
@@ -1606,7 +1586,7 @@ def parse_args(argv=None):
             ("seeds", dict(type=_numbers(int), metavar="S,S,..."),
              "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, "
-             "atr_8192, mamba_conv, based_conv, layers, atr_gen, seeds, reduced (the 2-core CPU reproduction)"),
+             "atr_8192, mamba_conv, based_conv, pos_emb, layers, atr_gen, seeds, reduced (2-core CPU)"),
             ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
             ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
             ("bench", dict(action="store_true"), "time a training step of every architecture, relative to attention"),
@@ -1616,9 +1596,8 @@ def parse_args(argv=None):
 
 
 def evaluate_run(run_dir, args, log=print):
-    """--load: evaluate a saved run (and its test split), and with --analyze run the intervention grid and
-    add it to the folder's results.json. args: settings given with it (see EVAL_ONLY_FIELDS)."""
-    cfg, model = load_run(run_dir, expect=args)
+    """--load: evaluate a saved run; with --analyze add its intervention grid to its results.json."""
+    cfg, model = load_run(run_dir, **args)
     model.to(setup(cfg))
     task = make_task(cfg, train=False)
     ev = evaluate(model, task.eval)
@@ -1626,7 +1605,7 @@ def evaluate_run(run_dir, args, log=print):
         f"on {len(task.eval)} documents")
     for line in wrong_examples(task, task.eval, ev["preds"]):
         log("  wrong: " + line)
-    found = analyse(model, task, cfg, {}, log, intervene=args.get("analyze", False))
+    found = analyze(model, task, cfg, {}, log, intervene=args.get("analyze", False))
     if args.get("analyze", False):
         path = os.path.join(run_dir, "results.json")
         write_json(path, {**(json.load(open(path)) if os.path.isfile(path) else {}), **found})
@@ -1634,23 +1613,21 @@ def evaluate_run(run_dir, args, log=print):
 
 def main(argv=None):
     args = parse_args(argv)
-    grid_flags = ("widths", "lrs", "seeds", "jobs", "shard")
-    flags = {k: args.pop(k) for k in ("sweep", "preset", *grid_flags, "bench", "plot", "load") if k in args}
+    grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds", "jobs", "shard") if k in args}  # sweep flags
+    flags = {k: args.pop(k) for k in ("sweep", "preset", "bench", "plot", "load") if k in args}
     try:
-        if flags.get("jobs", 1) < 1:
-            raise ConfigError(f"--jobs must be at least 1, not {flags['jobs']}")
+        if grid.get("jobs", 1) < 1:
+            raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
         if flags.get("bench"):
             bench_steps(Config(**args))
         elif "plot" in flags:
             plot(flags["plot"])
         elif "preset" in flags:
-            run_preset(flags["preset"], args, flags.get("widths"), flags.get("lrs"), flags.get("jobs", 1),
-                       seeds=flags.get("seeds"), shard=flags.get("shard"))
+            run_preset(flags["preset"], args, **grid)
         elif flags.get("sweep"):
-            sweep(Config(**args), flags.get("widths", PAPER_WIDTHS), flags.get("lrs"), flags.get("jobs", 1),
-                  seeds=flags.get("seeds"), shard=flags.get("shard"))
-        elif set(flags) & set(grid_flags):
-            raise ConfigError(f"--{min(set(flags) & set(grid_flags))} belongs to a sweep; add --sweep or --preset")
+            sweep(Config(**args), **grid)
+        elif grid:
+            raise ConfigError(f"--{min(grid)} belongs to a sweep; add --sweep or --preset")
         elif "load" in flags:
             evaluate_run(flags["load"], args)
         else:

@@ -648,6 +648,11 @@ def test_cli_load_refuses_mismatch(tmp_path, capsys):
     assert m.main(["--load", run, "--d_model", "32"]) == 2
     err = capsys.readouterr().err
     assert "d_model=16" in err and "d_model=32" in err
+    for flag, value, words in (("--corrupt", "foo", "unknown corrupt 'foo'"), ("--device", "tpu", "unknown device 'tpu'"),
+                               ("--n_eval", "-3", "n_eval must be a positive integer, not -3")):  # settings for --load
+        assert m.main(["--load", run, flag, value, "--analyze"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1
     assert m.main(["--load", str(tmp_path / "nothing")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     ckpt = torch.load(os.path.join(run, "model.pt"), weights_only=True)
@@ -656,6 +661,14 @@ def test_cli_load_refuses_mismatch(tmp_path, capsys):
     assert m.main(["--load", run]) == 2
     err = capsys.readouterr().err.strip()
     assert "does not fit" in err and "d_model=24" in err and "\n" not in err
+
+
+def test_an_out_dir_that_cannot_be_created_is_refused_in_one_sentence(tmp_path, capsys):
+    (tmp_path / "file").write_text("kept")
+    assert m.main(TINY + ["--out_dir", str(tmp_path / "file" / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot create the run folder") and err.count("\n") == 1
+    assert (tmp_path / "file").read_text() == "kept"
 
 
 def test_run_folders_written_before_a_setting_existed_take_its_default(tmp_path):
@@ -673,7 +686,7 @@ def test_run_folders_written_before_a_setting_existed_take_its_default(tmp_path)
     assert loaded.batch_order == "shuffle" and loaded.run_name == cfg.run_name
     assert m.run_settings(old) == m.run_settings(m.asdict(cfg))  # so a sweep reuses it, and a rerun is not refused
     assert m.run_settings(old) != m.run_settings(m.asdict(m.replace(cfg, batch_order="fixed")))
-    assert m.open_run_folder(cfg) is None  # finished: nothing to resume, and no refusal
+    assert m.RunFolder(cfg).ckpt is None  # finished: nothing to resume, and no refusal
 
 
 def test_batch_order_is_a_run_setting(tmp_path):
@@ -683,7 +696,7 @@ def test_batch_order_is_a_run_setting(tmp_path):
     a, b = (m.train(c, log=lambda s: None) for c in (cfg, fixed))
     assert [h["loss"] for h in a["history"]] != [h["loss"] for h in b["history"]]
     with pytest.raises(m.ConfigError, match="batch_order=shuffle, not batch_order=fixed"):
-        m.open_run_folder(m.replace(fixed, run_name=cfg.run_name))  # a folder of the other order is refused
+        m.RunFolder(m.replace(fixed, run_name=cfg.run_name))  # a folder of the other order is refused
     with pytest.raises(m.ConfigError, match="unknown batch_order 'random'; allowed: shuffle, fixed"):
         m.replace(cfg, batch_order="random")
 
@@ -769,7 +782,7 @@ def test_interrupted_run_resumes_on_the_same_trajectory(arch, order, tmp_path, c
     argv = ["--task", "atr", "--arch", arch, "--out_dir", str(tmp_path), "--run_name", "cut", "--steps", "5"]
     assert m.main(argv) == 2
     err = capsys.readouterr().err
-    assert "holds a run with d_model=16, not d_model=64" in err and err.count("\n") == 1
+    assert "holds a run with n_train=300, not n_train=100032" in err and err.count("\n") == 1
     assert (tmp_path / "cut" / "results.json").read_text() == before
 
 
@@ -1157,6 +1170,8 @@ def test_presets_expand_to_the_paper_grids():
     assert [s["d_conv"] for _, s in p["mamba_conv"]] == ["0", "1", "2", "3", "4"]
     assert [s["d_conv"] for _, s in p["based_conv"]] == ["1", "2", "3", "4", "long"]
     assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
+    flipped = [("attention", "off"), ("mamba", "on"), ("based", "on"), ("hyena", "on")]  # App. D.1
+    assert [(s["arch"], s["pos_emb"]) for _, s in p["pos_emb"]] == flipped
     assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in seven]  # one training each
     assert [s["arch"] for _, s in p["seeds"]] == seven and m.PRESET_GRID["seeds"][2] == (0, 1, 2)
     red = p["reduced"]

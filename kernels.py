@@ -305,11 +305,6 @@ def timeit(fn, device="cpu", reps=11):
     return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]
 
 
-def _fwd_bwd(fn, args, device):
-    args = [a.detach().to(device).requires_grad_(a.is_floating_point()) for a in args]
-    return lambda: fn(*args).sum().backward()
-
-
 def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64))):
     print(f"kernels.py benchmark on {device}: forward + backward, median ms of {reps} calls (B, L, d); "
           f"ratio = reference / fast")
@@ -317,8 +312,8 @@ def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64))):
     gen = torch.Generator().manual_seed(0)
     for op, (ref, fast) in PAIRS.items():
         for B, L, d in shapes:
-            args = _inputs(op, B, L, d, gen)
-            t_ref, t_fast = (timeit(_fwd_bwd(fn, args, device), device, reps)[0] for fn in (ref, fast))
+            args = [a.to(device).requires_grad_(a.is_floating_point()) for a in _inputs(op, B, L, d, gen)]
+            t_ref, t_fast = (timeit(lambda: fn(*args).sum().backward(), device, reps)[0] for fn in (ref, fast))
             print(f"{op:<24}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x")
 
 

@@ -14,8 +14,11 @@ interventions and the verdict (a first read may stop there) -> the other mixers,
 validation, run folders, sweeps and presets, plots, benchmark, command line. kernels.py holds the fast
 forms of the expensive sequence operations, each beside its plain definition.
 
-Letters, one meaning each: B batch, L sequence length, d model width, V vocabulary, M documents in a split,
-P key-value pairs of an AR document, E inner channels of Mamba (2d), N state size of an SSM, H heads of H3.
+Words: a document's named positions are key, value, next_key (the following pair's key), divider (the EOS
+before the query) and query; a site is an activation a hook reads or replaces (block_input, conv_output, ...);
+an attribution is the share of p(answer) that patching one clean activation into a run whose key was corrupted
+brings back. Letters, one meaning each: B batch, L sequence length, d model width, V vocabulary, M documents in
+a split, P key-value pairs of an AR document, E inner channels of Mamba (2d), N state size of an SSM, H heads of H3.
 The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, not sizes. u is a mixer's
 input, h a convolution filter, and * causal convolution over time: (h * u)_t = Σ_{s<=t} h_{t-s} u_s.
 """
@@ -42,7 +45,7 @@ import kernels
 PAD, BOS, EOS = 0, 1, 2   # special tokens shared by both tasks
 MAX_LEN = 1024            # longest document (the paper's l_max and position-table size)
 TASKS = ("ar", "atr")
-ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (max_rhs, terminals): see Grammar
+ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (max_rhs, terminals); bodies < max_rhs
 PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
 ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
 DEFAULT_LR = {}  # name -> default peak learning rate
@@ -87,8 +90,9 @@ class Config:
                                           "the same every epoch")
     eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
-    # the mechanism analysis after training
+    # the mechanism analysis: after training, and while it trains
     analyze: bool = setting(True, "run the interchange-intervention grid after training, or with --load")
+    analyze_every: int = setting(2000, "steps between checks of the mechanism while training (watch); 0 = none")
     corrupt: str = setting("key", "context token the analysis corrupts: key (the paper's) or value")
     # where it runs and where results go
     device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
@@ -118,6 +122,9 @@ class Split:
     def __len__(self):
         return len(self.input_ids)
 
+    def __getitem__(self, rows):  # split[:n], its first n documents
+        return Split(self.input_ids[rows], {k: p[rows] for k, p in self.pos.items()}, self.lengths[rows])
+
     @property
     def answers(self):
         return self.input_ids.gather(1, self.pos["answer"][:, None])[:, 0]  # (M,)
@@ -145,9 +152,7 @@ def make_split(docs, pos):
         ids, lengths = torch.from_numpy(docs), torch.full((len(docs),), docs.shape[1])
     else:
         lengths = torch.tensor([len(d) for d in docs])
-        ids = torch.full((len(docs), int(lengths.max())), PAD, dtype=torch.long)
-        for n, d in enumerate(docs):
-            ids[n, :len(d)] = torch.tensor(d)
+        ids = nn.utils.rnn.pad_sequence([torch.tensor(d) for d in docs], batch_first=True, padding_value=PAD)
     pos = {k: torch.as_tensor(np.asarray(v), dtype=torch.long) for k, v in pos.items()}
     return Split(ids, pos, lengths)
 
@@ -179,17 +184,14 @@ def make_ar(cfg, n, rng):
     value 2+2i=4, next_key 3+2i=5 (the following pair's key; -1 when i is the last pair), divider 2P+1=7,
     query 2P+2=8, answer 2P+3=9.
     """
-    P, K = cfg.n_pairs, cfg.n_keys
-    keys = sample_distinct(rng, n, P, K) + 3                     # (M, P) key ids
-    vals = sample_distinct(rng, n, P, cfg.n_values) + 3 + K      # (M, P) value ids
+    P = cfg.n_pairs
+    keys = sample_distinct(rng, n, P, cfg.n_keys) + 3                      # (M, P) key ids
+    vals = sample_distinct(rng, n, P, cfg.n_values) + 3 + cfg.n_keys      # (M, P) value ids
     i = rng.integers(0, P, n)                                     # (M,) the queried pair
     rows = np.arange(n)
-    ids = np.empty((n, 2 * P + 5), dtype=np.int64)
-    ids[:, 0] = BOS
-    ids[:, 1:2 * P:2], ids[:, 2:2 * P + 1:2] = keys, vals
-    ids[:, 2 * P + 1] = EOS
-    ids[:, 2 * P + 2], ids[:, 2 * P + 3] = keys[rows, i], vals[rows, i]
-    ids[:, 2 * P + 4] = EOS
+    pairs = np.stack([keys, vals], axis=2).reshape(n, 2 * P)     # (M, 2P): k v k v ...
+    bos, eos = np.full(n, BOS), np.full(n, EOS)
+    ids = np.column_stack([bos, pairs, eos, keys[rows, i], vals[rows, i], eos])   # (M, 2P+5)
     pos = {"key": 1 + 2 * i, "value": 2 + 2 * i, "next_key": np.where(i < P - 1, 3 + 2 * i, -1),
            "divider": np.full(n, 2 * P + 1), "query": np.full(n, 2 * P + 2), "answer": np.full(n, 2 * P + 3)}
     return make_split(ids, pos)
@@ -215,45 +217,39 @@ class Grammar:
         for x in range(n_nonterminals):
             allowed = [y for y in range(n_nonterminals) if depth[y] > depth[x]]
             p_terminal = terminal_weight / (terminal_weight + len(allowed))
-            bodies = []
-            for _ in range(rng.integers(1, max_rules + 1)):
-                body = []  # terminal t >= 0, nonterminal y stored as -(y + 1)
-                for _ in range(rng.integers(1, max_rhs)):
-                    if rng.random() < p_terminal:
-                        body.append(int(rng.integers(n_terminals)))
-                    else:
-                        body.append(-(allowed[rng.integers(len(allowed))] + 1))
-                bodies.append(body)
+
+            def symbol():  # a terminal t >= 0, or a nonterminal y stored as -(y + 1)
+                if rng.random() < p_terminal:
+                    return int(rng.integers(n_terminals))
+                return -(allowed[rng.integers(len(allowed))] + 1)
+            n_rules = rng.integers(1, max_rules + 1)
+            bodies = [[symbol() for _ in range(rng.integers(1, max_rhs))] for _ in range(n_rules)]
             self.rules.append(bodies)
             self.rule_cum.append(np.cumsum(rng.dirichlet(np.ones(len(bodies)))).tolist())
             self.head_cum.append(np.cumsum(rng.dirichlet(np.ones(n_terminals))).tolist())
 
-    def sample(self, r, max_tokens):
+    def sample(self, rng, max_tokens):
         """One sentence from a uniform start symbol: (terminals, parent position or -1 for the root).
         Returns None once it grows past max_tokens."""
         tokens, parents = [], []
 
-        def expand(x):  # writes x's yield, returns the position of x's head
-            children = []
-            for sym in r.choices(self.rules[x], cum_weights=self.rule_cum[x])[0]:
-                if sym >= 0:
-                    tokens.append(sym)
-                    parents.append(-1)
-                    children.append(len(tokens) - 1)
-                else:
-                    children.append(expand(-sym - 1))
-                if len(tokens) > max_tokens:
-                    raise OverflowError
-            tokens.append(r.choices(range(self.n_terminals), cum_weights=self.head_cum[x])[0])
+        def emit(t):  # writes terminal t, returns its position; past max_tokens (a head too) the sentence is dropped
+            tokens.append(t)
             parents.append(-1)
-            if len(tokens) > max_tokens:  # the head counts too, or a sentence could end at max_tokens + 1
+            if len(tokens) > max_tokens:
                 raise OverflowError
-            for c in children:
-                parents[c] = len(tokens) - 1
             return len(tokens) - 1
 
+        def expand(x):  # writes x's yield, returns the position of x's head
+            body = rng.choices(self.rules[x], cum_weights=self.rule_cum[x])[0]
+            children = [emit(sym) if sym >= 0 else expand(-sym - 1) for sym in body]
+            head = emit(rng.choices(range(self.n_terminals), cum_weights=self.head_cum[x])[0])
+            for c in children:
+                parents[c] = head
+            return head
+
         try:
-            expand(r.randrange(len(self.rules)))
+            expand(rng.randrange(len(self.rules)))
         except OverflowError:
             return None
         return tokens, parents
@@ -275,11 +271,11 @@ def make_atr_split(grammar, n, stream, allow=None):
     allow(parent_type, child_type) restricts the queried pairs (the generalisation split). Document i
     draws from its own stream random.Random(f"{stream}/{i}"), so any document can be regenerated alone.
     """
-    docs, pos = [], {k: [] for k in ("key", "value", "next_key", "divider", "query", "answer")}
+    docs, at = [], []  # per document: key, value, next_key, divider, query, answer
     for i in range(n):
-        r = random.Random(f"{stream}/{i}")
+        rng = random.Random(f"{stream}/{i}")
         while True:
-            s = grammar.sample(r, MAX_LEN - 5)
+            s = grammar.sample(rng, MAX_LEN - 5)
             if s is None or len(s[0]) < 3:
                 continue
             tokens, parents = s
@@ -290,13 +286,12 @@ def make_atr_split(grammar, n, stream, allow=None):
                     by_parent.setdefault(parents[c], []).append(c)
             if by_parent:
                 break
-        p = r.choice(sorted(by_parent))
-        c = r.choice(by_parent[p])
+        p = rng.choice(sorted(by_parent))
+        c = rng.choice(by_parent[p])
         n_tok = len(tokens)
         docs.append([BOS] + [t + 3 for t in tokens] + [EOS, tokens[c] + 3, tokens[p] + 3, EOS])
-        for k, v in zip(pos, (1 + c, 1 + p, 2 + c, n_tok + 1, n_tok + 2, n_tok + 3)):
-            pos[k].append(v)
-    return make_split(docs, pos)
+        at.append((1 + c, 1 + p, 2 + c, n_tok + 1, n_tok + 2, n_tok + 3))
+    return make_split(docs, dict(zip(("key", "value", "next_key", "divider", "query", "answer"), zip(*at))))
 
 
 def make_task(cfg, train=True):
@@ -327,15 +322,30 @@ def make_task(cfg, train=True):
 
 # ----------------------------------------------------------------------------------------------------
 # One whole model (tinylang model/arch/zoology.py): embedding -> blocks (a mixer, an MLP) -> LayerNorm -> LM
-# head tied to the embedding. Only the mixer differs: attention here, the rest in the catalogue. A mixer
-# maps the normed stream (B, L, d) to (B, L, d) causally; Mixer(cfg, layer_idx) may vary by layer.
+# head tied to the embedding. Only the mixer differs: attention here, the rest in the catalogue.
 
 def register(name, lr):
-    """--arch name builds this mixer class (or function of cfg, layer_idx); lr: its default rate."""
+    """Make Mixer, a class (or a function of cfg, layer_idx), `--arch name` with lr its default rate. The contract,
+    checked on every mixer built: Mixer(cfg, layer_idx) is the nn.Module of block layer_idx (cfg.d_model = d); its
+    forward maps the normed stream (B, L, d) to (B, L, d), causally (output t reads input up to t). Its sites:
+    mixer_input, mixer_output, and conv_output if it calls a ShortConv. Mark its output projection writes_residual."""
     def wrap(cls):
         ARCHS[name], DEFAULT_LR[name] = cls, lr
         return cls
     return wrap
+
+
+def check_mixer(mixer, cfg):
+    """register's contract on a new mixer: (B, L, d) to the same shape, causal; else one ConfigError sentence."""
+    u, other = torch.randn(2, 2, 16, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y, y2 = mixer(u), mixer(torch.cat([u[:, :8], other[:, 8:]], 1))  # the same past, another future
+    shape = tuple(getattr(y, "shape", ())) or type(y).__name__
+    if shape != u.shape or not torch.allclose(y[:, :8], y2[:, :8], rtol=1e-4, atol=1e-6):
+        broken = "is not causal: its output at positions 0-7 changed with its input after them" if shape == u.shape \
+            else f"returned {shape} for an input of shape {tuple(u.shape)}"
+        raise ConfigError(f"mixer '{cfg.arch}' {broken}; a registered mixer maps (B, L, d) to (B, L, d), causally")
+    return mixer
 
 
 def writes_residual(linear):
@@ -378,13 +388,13 @@ class Attention(nn.Module):
 
 class ShortConv(nn.Conv1d):
     """Causal depthwise convolution y = h * u, short filter h (zoology's ShortConvolution, Mamba's conv1d),
-    run by kernels.short_conv on (B, L, C). Most of the catalogue calls one; its output is the site
+    run by kernels.short_conv on (B, L, channels). Most of the catalogue calls one; its output is the site
     conv_output, where a conv carries a token to the next positions."""
 
     def __init__(self, channels, width, bias=True):
         super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
 
-    def forward(self, u):              # (B, L, C) -> (B, L, C)
+    def forward(self, u):              # (B, L, channels) -> (B, L, channels)
         return kernels.short_conv(u, self.weight[:, 0], self.bias)
 
 
@@ -407,7 +417,7 @@ class Block(nn.Module):
         d, mixer_cls = cfg.d_model, ARCHS[cfg.arch]
         self.mamba = getattr(mixer_cls, "mamba_block", False)
         self.norm1 = nn.RMSNorm(d, eps=1e-5) if self.mamba else nn.LayerNorm(d)
-        self.mixer = mixer_cls(cfg, layer_idx)
+        self.mixer = check_mixer(mixer_cls(cfg, layer_idx), cfg)
         self.norm2, self.mlp = (None, None) if self.mamba else (nn.LayerNorm(d), MLP(d))
 
     def forward(self, r):                # (B, L, d) -> (B, L, d)
@@ -482,8 +492,7 @@ class NonFiniteLoss(RuntimeError):
 def answer_logits(model, ids, query):
     """Logits (B, V) at the query position of each document: ids (B, L), query (B,). Computing the
     head only where the loss is read saves a (B, L, V) product."""
-    hidden = model.hidden(ids)                                     # (B, L, d)
-    return model.head(hidden[torch.arange(len(ids), device=ids.device), query])
+    return model.head(model.hidden(ids)[torch.arange(len(ids), device=ids.device), query])  # (B, d) -> (B, V)
 
 
 @torch.no_grad()
@@ -506,11 +515,10 @@ def wrong_examples(task, split, preds, k=3, max_tokens=40):
     """A few wrong predictions as readable text: the document up to the query, then pred vs answer."""
     out = []
     for n in (preds != split.answers).nonzero()[:k, 0].tolist():
-        q = int(split.pos["query"][n])
-        toks = split.input_ids[n, max(0, q + 1 - max_tokens):q + 1]
-        pre = "... " if q + 1 > max_tokens else ""
-        out.append(f"{pre}{task.decode(toks)} -> predicted {task.token_names[int(preds[n])]}, "
-                   f"answer {task.token_names[int(split.answers[n])]}")
+        end = int(split.pos["query"][n]) + 1
+        pre = "... " if end > max_tokens else ""
+        out.append(f"{pre}{task.decode(split.input_ids[n, max(0, end - max_tokens):end])} -> predicted "
+                   f"{task.token_names[int(preds[n])]}, answer {task.token_names[int(split.answers[n])]}")
     return out
 
 
@@ -567,8 +575,8 @@ def lr_factor(step, warmup_steps, total_steps):
 class Batches:
     """Epochs over the training documents, each a fresh permutation from the run's generator, or with
     fixed=True the stored order, as tinylang's experiment.py (batch k: documents [kB, kB+B)); the last
-    partial batch is dropped. next(): the batch's indices, kept on the device (a copy a step would make the
-    CPU wait for the GPU), and the length its padding is trimmed to."""
+    partial batch is dropped. next(): the batch's indices, and the length its padding is trimmed to. The order
+    is kept on the device: copying each batch's indices there would make the CPU wait for the GPU."""
 
     def __init__(self, lengths, batch_size, seed, device="cpu", compile=False, fixed=False):
         self.lengths, self.batch_size, self.device = lengths, batch_size, device
@@ -614,18 +622,15 @@ def train(cfg, log=print):
     optimizer = adamw(model, cfg.lr, device)
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
-    fixed = cfg.batch_order == "fixed"
-    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, fixed)
+    batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
     results = folder.restore(state, log) or results  # an unfinished run continues from its checkpoint
     history = results["history"]
     reached = lambda acc: 0 < cfg.target_acc <= acc  # the early stop
-    data = task.train
-    ids, query, answer = (t.to(device) for t in (data.input_ids, data.pos["query"], data.answers))
+    ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
     loss_fn = step_loss(cfg.compile, device)
-    loss_sum, ev = torch.zeros((), device=device), None
-    t_last = time.time()
-    first = cfg.steps + 1 if history and reached(history[-1]["acc"]) else results["steps_done"] + 1
+    loss_sum, t_last, ev = torch.zeros((), device=device), time.time(), None
+    first = cfg.steps + 1 if history and reached(history[-1]["acc"]) else results["steps_done"] + 1  # done: skip
     for step in range(first, cfg.steps + 1):
         idx, L = batches.next()
         loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx], loss_fn).detach()
@@ -643,10 +648,14 @@ def train(cfg, log=print):
         ev = evaluate(model, task.eval)
         history.append({"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer": round(ev["p_answer"], 5),
                         "lr": schedule.get_last_lr()[0]})
+        if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
+            history[-1].update(watch(model, task, cfg))
         results.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
                        best_acc=max(ev["acc"], results.get("best_acc", 0.0)))
+        h = history[-1]
+        watched = f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}" if "verdict" in h else ""
         log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f} | "
-            f"{1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}")
+            f"{1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}{watched}")
         folder.checkpoint(step, state, results)
         if reached(ev["acc"]):
             break
@@ -694,7 +703,7 @@ def site_module(model, site, layer, strict=True):
     return module
 
 
-def model_cells(model):
+def model_sites(model):
     """Every (site, layer) the model has."""
     return [(s, l) for l in range(len(model.blocks)) for s in SITES if site_module(model, s, l, False) is not None]
 
@@ -760,9 +769,9 @@ def corrupt_tokens(task, split, which, gen):
 
 
 @torch.no_grad()
-def mechanism(model, task, corrupt="key", seed=0, split=None):
-    """The grid: interchange at every site x layer x position, one forward a cell over a split (default: eval),
-    the clean activations read in one forward first. Returns p(answer) clean and corrupted, the cells, the verdict."""
+def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
+    """The grid: interchange at every (site, layer, position), or at cells only, one forward a cell over a split
+    (default: eval), after one forward that reads every clean activation. Returns p_clean, p_corrupt, grid, verdict."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
     L = int(split.lengths.max())
@@ -775,9 +784,9 @@ def mechanism(model, task, corrupt="key", seed=0, split=None):
     def p_answer(ids):  # (M,) probability of the correct answer at the query, without (M, L, V) logits
         return answer_logits(model, ids, query).softmax(-1)[rows, answer]
 
-    cells = [(site, layer, k) for site, layer in model_cells(model) for k in POSITIONS]
+    cells = cells or [(site, layer, k) for site, layer in model_sites(model) for k in POSITIONS]
     acts = {}  # (site, layer, position) -> (M, d): every clean activation the grid patches in
-    with hooks(model, {cell: read_at(pos, acts, cell) for cell in model_cells(model)}):
+    with hooks(model, {(site, layer): read_at(pos, acts, (site, layer)) for site, layer, _ in cells}):
         p_clean = p_answer(clean)
     p_corrupt = p_answer(corrupted)
     means = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
@@ -811,20 +820,20 @@ def verdict(mech, threshold=0.5):
           next key >= 0.5                          direct retrieval from the next key (a conv moved it on)
           none, or a tie                           mixed
 
-    Deeper: the first layer r whose block_output at the query reaches 0.5 (else the last) reads as layer 0,
-    or by its block_input as layer 1. "no verdict": the corruption costs at most 0.01 of p(answer)."""
+    Deeper: the first layer whose block_output at the query reaches 0.5 (else the last) retrieves, read as layer 0
+    if it is the first, else by its block_input as layer 1. "no verdict": the corruption costs <= 0.01 of p(answer)."""
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
     attr = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
     n = mech["n_layers"]
-    r = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # see Block
-    if r == 0:
+    layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # = block_input l+1
+    if layer == 0:
         return {"kind": "direct retrieval", "layer": 0, "reads": {"query": attr["block_output", 0, "query"]}}
-    reads = {k: attr["block_input", r, k] for k in ("value", "key", "next_key", "query")}
+    reads = {k: attr["block_input", layer, k] for k in ("value", "key", "next_key", "query")}
     first, second = sorted(READS, key=reads.get, reverse=True)[:2]
     kind = READS[first] if reads[first] >= threshold and reads[first] > reads[second] else "mixed"
-    return {"kind": kind, "layer": r, "reads": reads}
+    return {"kind": kind, "layer": layer, "reads": reads}
 
 
 def verdict_text(v, numbers=True):
@@ -869,6 +878,18 @@ def analyze(model, task, cfg, results, log=print, intervene=True):
             results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
             log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
     return results
+
+
+def watch(model, task, cfg):
+    """The mechanism as it forms, for the history (at the first evaluation from each multiple of analyze_every):
+    the verdict and the attributions it reads, from its cells alone (2 + 5(n-1) forwards, the grid ~70); the gap
+    p_clean - p_corrupt, which says if the key matters even where no ratio is; accuracy on n_eval training docs."""
+    n = len(model.blocks)
+    cells = [("block_output", l, "query") for l in range(n)]
+    cells += [("block_input", l, k) for l in range(1, n) for k in (*READS, "query")]
+    mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=cells)
+    return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
+            "verdict": mech["verdict"]}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -941,8 +962,7 @@ def base_conv(cfg, layer_idx):
     """BaseConv with zoology's kernel_size=[3, -1, 3, -1]: short (width 3) in even layers, implicit long in
     odd ones. --d_conv K (1-4) or long makes every layer that kind, as the paper's ablation override.
     Deviation: zoology's list raises past 4 layers; here the alternation continues for any depth."""
-    width = conv_width(cfg, None)
-    return BaseConv(cfg.d_model, width if width is not None else (3 if layer_idx % 2 == 0 else "long"))
+    return BaseConv(cfg.d_model, conv_width(cfg, 3 if layer_idx % 2 == 0 else "long"))
 
 
 @register("hyena", lr=3e-3)
@@ -1120,6 +1140,7 @@ def config_errors(c):
         f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {widths.get(c.arch, '').replace(' ', ', ')}"
     for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values", "n_train", "n_eval"):
         yield getattr(c, name) <= 0, f"{name} must be a positive integer, not {getattr(c, name)}"
+    yield c.analyze_every < 0, f"analyze_every must be 0 (no checks) or a number of steps, not {c.analyze_every}"
     yield c.seed < 0, f"seed must be a non-negative integer, not {c.seed}"
     yield c.steps < 0, f"steps must be positive (or 0 for the paper's schedule), not {c.steps}"
     yield not (math.isfinite(c.lr) and c.lr >= 0), f"lr must be a positive number (or 0 for the default), not {c.lr}"
@@ -1245,10 +1266,9 @@ def load_run(run_dir, **expect):
     model = build_model(cfg, ckpt["vocab_size"])
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        detail = str(e).strip().splitlines()[-1].strip()
+    except RuntimeError as e:  # its last line names the parameter that does not fit
         raise ConfigError(f"checkpoint {path} does not fit a {cfg.arch} model with d_model={cfg.d_model} "
-                          f"and n_layers={cfg.n_layers} ({detail})") from None
+                          f"and n_layers={cfg.n_layers} ({str(e).strip().splitlines()[-1].strip()})") from None
     return cfg, model
 
 
@@ -1347,14 +1367,6 @@ def best_rows(label, cfgs, results, widths):
     return rows
 
 
-def last_layer_reads(mech):
-    """The last layer's block_input attribution at value, key and query (or Nones)."""
-    mech = mech or {}
-    attr = {g["position"]: g["attribution"] for g in mech.get("grid", [])
-            if g["site"] == "block_input" and g["layer"] == mech["n_layers"] - 1}
-    return {k: attr.get(k) for k in ("value", "key", "query")}
-
-
 def seed_stats(runs):
     """One width and rate over seeds: the accuracy's mean, sample std (None for one seed), min and max (%), the
     seeds at 50 % or more, and the last layer's block_input attribution averaged over those (else over all)."""
@@ -1362,9 +1374,10 @@ def seed_stats(runs):
     acc = pct("final_acc")
     ok = [r for r, a in zip(runs, acc) if a >= 50] or runs
 
-    def mean_reads(key):
-        reads = [last_layer_reads(r.get(key)) for r in ok]
-        values = {k: [x[k] for x in reads if x[k] is not None] for k in ("value", "key", "query")}
+    def mean_reads(key):  # the last layer's block_input attribution at value, key and query
+        last = [g for mech in (r.get(key) for r in ok) if mech for g in mech["grid"]
+                if g["site"] == "block_input" and g["layer"] == mech["n_layers"] - 1 and g["attribution"] is not None]
+        values = {k: [g["attribution"] for g in last if g["position"] == k] for k in ("value", "key", "query")}
         return {k: np.mean(v).item() if v else None for k, v in values.items()}
     out = {"acc": np.mean(acc).item(), "acc_std": np.std(acc, ddof=1).item() if len(acc) > 1 else None,
            "acc_min": min(acc), "acc_max": max(acc), "n": len(acc), "successes": sum(a >= 50 for a in acc),
@@ -1432,8 +1445,8 @@ def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None
 
 
 def presets():
-    """The paper's experiments as lists of (label, settings), swept over the widths, rates and seeds given,
-    else PRESET_GRID's, else the paper's, one seed."""
+    """The paper's experiments as lists of (label, settings), swept over the widths, rates and seeds given, else
+    the paper's (one seed; the preset seeds: three)."""
     archs = list(ARCHS)
     return {
         "ar": [(a, dict(task="ar", arch=a)) for a in archs],
@@ -1445,19 +1458,7 @@ def presets():
                     for a, p in (("attention", "off"), ("mamba", "on"), ("based", "on"), ("hyena", "on"))],
         "atr_gen": [(a, dict(task="atr", arch=a, atr_split="gen")) for a in archs],
         "seeds": [(a, dict(task="ar", arch=a)) for a in archs],
-        # The paper's central contrasts in a few hours on 2 CPU cores: one width, default rates, shorter schedules.
-        "reduced": [(f"ar_{a}", dict(task="ar", arch=a, steps=0 if a == "attention" else 20_000))
-                    for a in ("attention", "based", "deltanet", "mamba")]
-                   + [(f"ar_mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w, steps=20_000)) for w in "10"]
-                   + [("ar_based_long", dict(task="ar", arch="based", d_conv="long", steps=20_000))]
-                   + [(f"ar_{a}", dict(task="ar", arch=a, steps=20_000)) for a in ("hyena", "base_conv", "h3")]
-                   + [(f"atr_{a}", dict(task="atr", arch=a, steps=8_000))
-                      for a in ("attention", "based", "deltanet", "mamba", "hyena", "base_conv", "h3")],
     }
-
-
-# A preset's widths, rates and seeds when the command line gives none (0 = the architecture's default rate).
-PRESET_GRID = {"reduced": ((64,), (0.0,), None), "seeds": (PAPER_WIDTHS, None, (0, 1, 2))}
 
 
 def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None, shard=None):
@@ -1467,8 +1468,7 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None,
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
     out_dir = Config(**args).out_dir
-    grid = PRESET_GRID.get(name, (PAPER_WIDTHS, None, None))
-    widths, lrs, seeds = widths or grid[0], lrs or grid[1], seeds or grid[2]
+    widths, seeds = widths or PAPER_WIDTHS, seeds or ((0, 1, 2) if name == "seeds" else None)
     entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))
                for label, settings in table[name]]
     return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log, seeds, shard)
@@ -1477,16 +1477,19 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None,
 def plot(folder, log=print):
     """PNGs of a sweep or preset folder, like the paper's figures: accuracy by width per entry (the paper's
     dashed), and the last layer's block_input attribution at value / key / query of each entry's best run
-    (dev and test on the generalisation split). Needs matplotlib, which nothing else needs."""
-    path = os.path.join(folder, "summary.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"no summary.json in {folder}; --plot takes a folder written by --sweep or --preset")
+    (dev and test on the generalisation split); of a run folder, plot_history. Needs matplotlib (only here)."""
+    path, run = (os.path.join(folder, name) for name in ("summary.json", "results.json"))
+    if not os.path.isfile(path) and not os.path.isfile(run):
+        raise ConfigError(f"no summary.json or results.json in {folder}; --plot takes a folder written by --sweep, "
+                          f"--preset or a training run")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed; pip install matplotlib") from None
+    if not os.path.isfile(path):
+        return plot_history(folder, json.load(open(run)), plt, log)
     rows = json.load(open(path))["rows"]
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
@@ -1513,11 +1516,34 @@ def plot(folder, log=print):
                ylim=(min(-0.1, ax.get_ylim()[0]), max(1.1, ax.get_ylim()[1])))
         ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=7)
-    for fig, name in ((fig, "accuracy_by_width.png"), (fig2, "mechanism.png")):
+    save_figures(folder, {"accuracy_by_width.png": fig, "mechanism.png": fig2}, plt, log)
+
+
+def save_figures(folder, figures, plt, log=print):
+    for name, fig in figures.items():
         fig.tight_layout()
         fig.savefig(os.path.join(folder, name), dpi=120)
         log(f"wrote {os.path.join(folder, name)}")
     plt.close("all")
+
+
+def plot_history(folder, results, plt, log=print):
+    """formation.png of a run trained with analyze_every: accuracy (evaluation, training documents), the gap and
+    the attributions each check's verdict reads (block_input of its layer; a layer-0 retrieval: the query)."""
+    watched = [h for h in results["history"] if "verdict" in h]
+    if not watched:
+        raise ConfigError(f"{folder} holds no checks of the mechanism; train it with --analyze_every N (N > 0)")
+    steps = [h["step"] for h in watched]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in results["history"]], [h["acc"] for h in results["history"]], "k-", label="accuracy")
+    ax.plot(steps, [h["train_acc"] for h in watched], "k--", label="accuracy, training documents")
+    ax.plot(steps, [h["gap"] for h in watched], "k:", label="p_clean - p_corrupt")
+    for k in (*READS, "query"):
+        ax.plot(steps, np.array([h["verdict"]["reads"].get(k) for h in watched], float), "o-", ms=3, label=k)
+    final = verdict_text((results.get("mechanism") or watched[-1])["verdict"], numbers=False)
+    ax.set(xlabel="step", ylabel="attribution", title=f"{results['config']['arch']}: {final} at the end")
+    ax.legend(fontsize=7)
+    save_figures(folder, {"formation.png": fig}, plt, log)
 
 
 def bench_steps(cfg, n=20, log=print):
@@ -1526,6 +1552,7 @@ def bench_steps(cfg, n=20, log=print):
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
+    watched = make_task(replace(cfg, n_train=cfg.n_eval)) if cfg.analyze_every else None  # what watch reads
     log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}, "
         f"median of {n} steps")
     times = {}
@@ -1539,6 +1566,9 @@ def bench_steps(cfg, n=20, log=print):
         if cfg.compile:
             ms = min(r[1][0] for r in t)
             line += f" | compiled {ms:8.2f} ms, {times[arch] / ms:5.2f}x faster; first step {t[0][1][1]:.0f} s"
+        if cfg.analyze_every:  # the cost of watch, against the steps between two checks
+            ms = kernels.timeit(lambda: watch(model, watched, cfg), device, 5)[0]
+            line += f" | watch {ms:.0f} ms, {ms / (cfg.analyze_every * times[arch]):.1%} of {cfg.analyze_every} steps"
         log(line)
     return times
 
@@ -1580,13 +1610,12 @@ def parse_args(argv=None):
     for name, kind, help in (  # the flags that are not Config fields
             ("load", dict(metavar="RUN"), "evaluate a saved run folder instead of training"),
             ("sweep", dict(action="store_true"), "train every width x learning rate, keep the best per width"),
-            ("widths", dict(type=_numbers(int), metavar="D,D,..."), f"sweep widths (default: {widths}; reduced: 64)"),
+            ("widths", dict(type=_numbers(int), metavar="D,D,..."), f"sweep widths (default: {widths})"),
             ("lrs", dict(type=_numbers(float), metavar="LR,LR,..."),
-             "sweep learning rates, 0 = the arch's default (default: the paper's grid; reduced: 0)"),
+             "sweep learning rates, 0 = the arch's default (default: the paper's grid)"),
             ("seeds", dict(type=_numbers(int), metavar="S,S,..."),
              "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
-            ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: ar, atr_easy, atr_medium, "
-             "atr_8192, mamba_conv, based_conv, pos_emb, layers, atr_gen, seeds, reduced (2-core CPU)"),
+            ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets())),
             ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
             ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
             ("bench", dict(action="store_true"), "time a training step of every architecture, relative to attention"),

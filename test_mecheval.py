@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -342,7 +343,7 @@ def trained_small_ar(tmp_path_factory):
     with two pairs a model can answer by exclusion (the query is not the other key), which muddies the
     mechanism. The induction phase transition comes after ~2,000 steps of 256 documents."""
     cfg = m.Config(n_pairs=4, n_keys=16, n_values=16, d_model=48, n_train=50_000, batch_size=256,
-                   steps=3500, lr=1e-3, eval_every=250, target_acc=0.95,
+                   steps=3500, lr=1e-3, eval_every=250, analyze_every=250, target_acc=0.95,
                    out_dir=str(tmp_path_factory.mktemp("runs")))
     return cfg, m.train(cfg, log=lambda s: None)
 
@@ -365,6 +366,46 @@ def test_trained_attention_shows_induction(trained_small_ar):
     assert mech["verdict"]["kind"] == "induction"
     saved = json.loads(open(os.path.join(cfg.out_dir, cfg.run_name, "results.json")).read())
     assert saved["mechanism"]["grid"] == mech["grid"]
+
+
+def test_the_history_shows_induction_forming(trained_small_ar):
+    """analyze_every=250: every evaluation step holds a check of the mechanism. Early on the key does not matter
+    (no verdict); at the end the check reads what the full grid reads, number for number."""
+    cfg, res = trained_small_ar
+    history = res["history"]
+    assert [h["step"] for h in history if "verdict" in h] == [h["step"] for h in history] == \
+        list(range(250, res["steps_done"] + 1, 250))
+    first, last = history[0], history[-1]
+    assert first["verdict"]["kind"] != "induction" and first["acc"] < 0.5
+    assert last["verdict"] == res["mechanism"]["verdict"] and last["verdict"]["kind"] == "induction"
+    grid = {g["position"]: g["attribution"] for g in res["mechanism"]["grid"] if (g["site"], g["layer"]) == ("block_input", 1)}
+    assert last["verdict"]["reads"] == {k: grid[k] for k in ("value", "key", "next_key", "query")}
+    assert last["gap"] == pytest.approx(res["mechanism"]["p_clean"] - res["mechanism"]["p_corrupt"], abs=1e-12)
+    _, model = m.load_run(os.path.join(cfg.out_dir, cfg.run_name))
+    task = m.make_task(cfg)
+    assert last["train_acc"] == m.evaluate(model, task.train[:cfg.n_eval])["acc"] >= 0.9
+
+
+def test_watching_the_mechanism_never_changes_training(tmp_path):
+    """The same run with and without analyze_every: the same losses, evaluations and final weights, bit for bit;
+    the checks at the first evaluation from each multiple of analyze_every on, and in the progress line."""
+    cfg = small_ar(d_model=16, steps=40, eval_every=10, analyze_every=0, target_acc=0, analyze=False,
+                   out_dir=str(tmp_path), run_name="plain")
+    lines = []
+    plain, watched = m.train(cfg, log=lambda s: None), m.train(m.replace(cfg, analyze_every=20, run_name="watched"),
+                                                                log=lines.append)
+    keys = ("step", "loss", "acc", "p_answer", "lr")
+    assert [{k: h[k] for k in keys} for h in watched["history"]] == plain["history"]
+    assert [h["step"] for h in watched["history"] if "verdict" in h] == [20, 40]
+    assert all(h.keys() == {*keys, "train_acc", "gap", "verdict"} for h in watched["history"][1::2])
+    a, b = (torch.load(tmp_path / r / "model.pt", weights_only=True)["model"] for r in ("plain", "watched"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    step20 = next(l for l in lines if l.startswith("step     20"))
+    assert f"| train acc {watched['history'][1]['train_acc']:.4f}, " in step20
+    assert step20.endswith(m.verdict_text(watched["history"][1]["verdict"], numbers=False))
+    assert "train acc" not in next(l for l in lines if l.startswith("step     10"))
+    odd = m.train(m.replace(cfg, eval_every=15, steps=60, analyze_every=20, run_name="odd"), log=lambda s: None)
+    assert [h["step"] for h in odd["history"] if "verdict" in h] == [30, 45, 60]  # the first evaluation from 20, 40, 60
 
 
 # ------------------------------------------------------------------------------------ interventions
@@ -427,7 +468,7 @@ def test_interchange_matches_golden_forward(arch):
         per_layer = len(m.SITES) - (2 if model.blocks[0].mlp is None else 0) - 1  # Mamba: no mlp_* sites
         convs = {"mamba": 2, "deltanet": 2, "hyena": 2, "based": 1, "base_conv": 1}.get(arch, 0)  # layers with one
         assert len(src_acts) == per_layer * cfg.n_layers + convs
-        assert sorted(src_acts) == sorted(m.model_cells(model))
+        assert sorted(src_acts) == sorted(m.model_sites(model))
 
 
 def test_conv_output_exists_only_where_a_mixer_calls_a_short_conv():
@@ -454,7 +495,7 @@ def test_interchange_identities(arch):
     base, source = torch.randint(3, 53, (3, 11), generator=gen), torch.randint(3, 53, (3, 11), generator=gen)
     with torch.no_grad():
         clean, src_logits = model(base), model(source)
-        for site, layer in m.model_cells(model):
+        for site, layer in m.model_sites(model):
             same = m.interchange(model, base, base, site, layer, torch.tensor([1, 4, 9]))
             torch.testing.assert_close(same, clean, rtol=1e-6, atol=1e-7)
             later = m.interchange(model, base, source, site, layer, torch.tensor([8, 9, 10]))
@@ -595,6 +636,7 @@ def test_verdict_edge_cases(cells, p_corrupt, want):
     (["--batch_order", "random"], ["batch_order", "random", "shuffle, fixed"]),
     (["--sweep", "--jobs", "0"], ["--jobs", "at least 1", "0"]),
     (["--sweep", "--widths", "16,0"], ["d_model", "0"]),
+    (["--analyze_every", "-250"], ["analyze_every must be 0 (no checks) or a number of steps, not -250"]),
 ])
 def test_cli_rejects_bad_values(argv, words, capsys, tmp_path):
     assert m.main(argv + ["--out_dir", str(tmp_path)]) == 2
@@ -759,7 +801,7 @@ def test_ctrl_c_exits_130_and_the_same_command_continues(tmp_path, capsys, monke
 
 @pytest.mark.parametrize("arch, order", [("mamba", "shuffle"), ("attention", "fixed")])
 def test_interrupted_run_resumes_on_the_same_trajectory(arch, order, tmp_path, capsys):
-    cfg = small_atr(arch=arch, d_model=16, steps=60, eval_every=10, target_acc=0, analyze=False,
+    cfg = small_atr(arch=arch, d_model=16, steps=60, eval_every=10, analyze_every=20, target_acc=0, analyze=False,
                     out_dir=str(tmp_path), run_name="whole", batch_order=order)
     whole = m.train(cfg, log=lambda s: None)
 
@@ -773,7 +815,8 @@ def test_interrupted_run_resumes_on_the_same_trajectory(arch, order, tmp_path, c
     lines = []
     resumed = m.train(m.replace(cfg, run_name="cut"), log=lines.append)
     assert [l for l in lines if l.startswith("resuming")] == [f"resuming {tmp_path / 'cut'} from its checkpoint at step 20 of 60"]
-    assert resumed["history"] == whole["history"] and resumed["status"] == "completed"
+    assert resumed["history"] == whole["history"] and resumed["status"] == "completed"  # the checks at 20, 40, 60 too
+    assert [h["step"] for h in resumed["history"] if "verdict" in h] == [20, 40, 60]
     a, b = (torch.load(tmp_path / r / "model.pt", weights_only=True) for r in ("whole", "cut"))
     assert "optimizer" not in b and a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit for bit on a CPU
@@ -991,7 +1034,7 @@ def test_conv_width_ablations_set_the_receptive_field(arch, d_conv):
     ids2 = ids.clone()
     ids2[:, 4] = (ids2[:, 4] - 3 + 1) % 50 + 3
     site = ("conv_output", 0) if d_conv not in ("0", "long") else ("mixer_output", 0)
-    assert (("conv_output", 0) in m.model_cells(model)) == (site[0] == "conv_output")
+    assert (("conv_output", 0) in m.model_sites(model)) == (site[0] == "conv_output")
     acts = []
     with torch.no_grad(), m.hooks(model, {site: acts.append}):
         assert torch.isfinite(model(ids)).all()
@@ -1090,6 +1133,17 @@ def test_plot_draws_a_sweep_folder(tmp_path, capsys, monkeypatch):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+def test_plot_draws_how_a_run_formed(tmp_path, capsys):
+    assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "plain", "--analyze_every", "0"]) == 0
+    assert m.main(["--plot", str(tmp_path / "plain")]) == 2
+    assert "--analyze_every" in capsys.readouterr().err
+    assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "watched", "--analyze_every", "10"]) == 0
+    pytest.importorskip("matplotlib", reason="matplotlib is optional; the plot itself is checked where it is installed")
+    assert m.main(["--plot", str(tmp_path / "watched")]) == 0
+    png = (tmp_path / "watched" / "formation.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
 def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert m.paper_lrs("ar", "attention") == (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
     assert m.paper_lrs("ar", "mamba")[-2:] == (1e-2, 3e-2) and len(m.paper_lrs("atr", "mamba")) == 5
@@ -1160,6 +1214,9 @@ def test_bench_steps_times_every_architecture(capsys):
                                                             "deltanet"]
     for line, (arch, t) in zip(lines, times.items()):
         assert line.split()[1] == f"{t:.2f}" and line.split()[3] == f"{t / times['attention']:.2f}x"
+        assert re.search(r" \| watch \d+ ms, \d+\.\d% of 2000 steps$", line), line  # the cost of analyze_every
+    m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4, analyze_every=0), n=1)
+    assert "watch" not in capsys.readouterr().out
 
 
 def test_presets_expand_to_the_paper_grids():
@@ -1173,14 +1230,20 @@ def test_presets_expand_to_the_paper_grids():
     flipped = [("attention", "off"), ("mamba", "on"), ("based", "on"), ("hyena", "on")]  # App. D.1
     assert [(s["arch"], s["pos_emb"]) for _, s in p["pos_emb"]] == flipped
     assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in seven]  # one training each
-    assert [s["arch"] for _, s in p["seeds"]] == seven and m.PRESET_GRID["seeds"][2] == (0, 1, 2)
-    red = p["reduced"]
-    assert {s["arch"] for _, s in red if s["task"] == "ar"} == set(seven) == {s["arch"] for _, s in red if s["task"] == "atr"}
-    assert {s.get("d_conv") for _, s in red if s["arch"] == "mamba"} == {None, "1", "0"}
-    assert ("ar_based_long", dict(task="ar", arch="based", d_conv="long", steps=20_000)) in red
+    assert [s["arch"] for _, s in p["seeds"]] == seven
     for runs in p.values():  # every entry is a valid config
         for _, settings in runs:
             m.Config(**settings)
+
+
+def test_presets_sweep_the_paper_grid_and_the_seeds_preset_three_seeds(tmp_path, monkeypatch):
+    grids = []
+    monkeypatch.setattr(m, "run_sweeps", lambda title, entries, widths, lrs, jobs, out_dir, log, seeds, shard:
+                        grids.append((widths, lrs, seeds)))
+    for name in ("ar", "seeds"):
+        m.run_preset(name, dict(out_dir=str(tmp_path)))
+    m.run_preset("seeds", dict(out_dir=str(tmp_path)), widths=(32,), lrs=(1e-2,), seeds=(5,))
+    assert grids == [(m.PAPER_WIDTHS, None, None), (m.PAPER_WIDTHS, None, (0, 1, 2)), ((32,), (1e-2,), (5,))]
 
 
 def test_preset_entries_resolve_their_own_schedule_and_default_lr(tmp_path, monkeypatch):
@@ -1188,11 +1251,7 @@ def test_preset_entries_resolve_their_own_schedule_and_default_lr(tmp_path, monk
     monkeypatch.setattr(m, "_quiet_run", lambda cfg: seen.append(cfg) or {"status": "completed", "final_acc": 0.5})
     monkeypatch.setattr(m, "presets", lambda: {"x": [("atr", dict(task="atr", arch="mamba")),
                                                      ("ar", dict(task="ar", arch="based", steps=7))]})
-    m.PRESET_GRID["x"] = ((16,), (0.0,), None)
-    try:
-        summary = m.run_preset("x", dict(out_dir=str(tmp_path)), log=lambda s: None)
-    finally:
-        del m.PRESET_GRID["x"]
+    summary = m.run_preset("x", dict(out_dir=str(tmp_path)), widths=(16,), lrs=(0.0,), log=lambda s: None)
     assert [(c.task, c.steps, c.lr, c.d_model) for c in seen] == [("atr", 100_032, m.DEFAULT_LR["mamba"], 16),
                                                                   ("ar", 7, m.DEFAULT_LR["based"], 16)]
     assert [r["acc"] for r in summary["rows"]] == [50.0, 50.0]
@@ -1238,8 +1297,7 @@ def test_seed_sweep_from_the_command_line_trains_every_seed(tmp_path, capsys):
 def test_preset_from_the_command_line_sweeps_each_entry_into_its_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(m, "presets", lambda: {"two": [("attention", dict(task="ar", arch="attention")),
                                                        ("deltanet", dict(task="ar", arch="deltanet"))]})
-    monkeypatch.setitem(m.PRESET_GRID, "two", ((8,), (1e-3,), None))
-    argv = ["--preset", "two", "--jobs", "2", "--seeds", "1", "--n_pairs", "3", "--n_keys", "10", "--n_values", "10",
+    argv = ["--preset", "two", "--widths", "8", "--lrs", "1e-3", "--jobs", "2", "--seeds", "1", "--n_pairs", "3", "--n_keys", "10", "--n_values", "10",
             "--n_train", "200", "--n_eval", "40", "--steps", "10", "--eval_every", "10", "--no-analyze",
             "--out_dir", str(tmp_path)]
     assert m.main(argv) == 0
@@ -1295,3 +1353,63 @@ def test_shards_split_a_sweep_and_the_plain_command_only_summarises(tmp_path, ca
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"'{bad}' is not a shard" in err and len(err.strip().splitlines()) == 1
     assert m.main(TINY + ["--shard", "0/2"]) == 2 and "--shard belongs to a sweep" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- your own mixer
+
+def readme_section(title):
+    text = open(os.path.join(HERE, "README.md")).read().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_brings_its_own_mixer(tmp_path, monkeypatch, capsys):
+    """The README's "Your own mixer" code, run as it is written: it registers a mixer, trains it on a small AR
+    and prints its verdict; the grid has the mixer's sites and its short convolution's."""
+    monkeypatch.setattr(m, "ARCHS", dict(m.ARCHS))  # the registration ends with the test
+    monkeypatch.setattr(m, "DEFAULT_LR", dict(m.DEFAULT_LR))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "mecheval", m)
+    scope = {}
+    exec(compile(readme_section("Your own mixer"), "README.md", "exec"), scope)
+    results, out = scope["results"], capsys.readouterr().out
+    assert results["status"] in ("completed", "target reached") and (tmp_path / "runs").is_dir()
+    assert out.strip().endswith(m.verdict_text(results["mechanism"]["verdict"]))
+    assert {"conv_output", "mixer_output"} <= {g["site"] for g in results["mechanism"]["grid"]}
+
+
+def test_a_mixer_that_breaks_the_contract_is_refused_in_one_sentence(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(m, "ARCHS", dict(m.ARCHS))
+    monkeypatch.setattr(m, "DEFAULT_LR", dict(m.DEFAULT_LR))
+
+    @m.register("half", lr=1e-3)
+    class Half(torch.nn.Module):  # returns d/2 channels
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+            self.proj = torch.nn.Linear(cfg.d_model, cfg.d_model // 2)
+
+        def forward(self, u):
+            return self.proj(u)
+
+    @m.register("peek", lr=1e-3)
+    class Peek(torch.nn.Module):  # the mean over the whole sequence: reads the future
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+
+        def forward(self, u):
+            return u.mean(1, keepdim=True).expand_as(u)
+
+    @m.register("running_mean", lr=1e-3)
+    class RunningMean(torch.nn.Module):  # causal: passes
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+
+        def forward(self, u):
+            return u.cumsum(1) / torch.arange(1, u.shape[1] + 1)[:, None]
+
+    with pytest.raises(m.ConfigError, match=r"^mixer 'half' returned \(2, 16, 8\) for an input of shape \(2, 16, 16\); "
+                                            r"a registered mixer maps \(B, L, d\) to \(B, L, d\), causally$"):
+        m.build_model(m.Config(arch="half", d_model=16), 20)
+    assert m.build_model(m.Config(arch="running_mean", d_model=16), 20) is not None
+    assert m.main(TINY + ["--arch", "peek", "--out_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: mixer 'peek' is not causal: its output at positions 0-7 changed") and err.count("\n") == 1

@@ -1541,7 +1541,7 @@ def plot_history(folder, results, plt, log=print):
     for k in (*READS, "query"):
         ax.plot(steps, np.array([h["verdict"]["reads"].get(k) for h in watched], float), "o-", ms=3, label=k)
     final = verdict_text((results.get("mechanism") or watched[-1])["verdict"], numbers=False)
-    ax.set(xlabel="step", ylabel="attribution", title=f"{results['config']['arch']}: {final} at the end")
+    ax.set(xlabel="step", ylabel="accuracy, attribution", title=f"{results['config']['arch']}: {final} at the end")
     ax.legend(fontsize=7)
     save_figures(folder, {"formation.png": fig}, plt, log)
 

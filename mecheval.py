@@ -882,7 +882,7 @@ def analyze(model, task, cfg, results, log=print, intervene=True):
 
 def watch(model, task, cfg):
     """The mechanism as it forms, for the history (at the first evaluation from each multiple of analyze_every):
-    the verdict and the attributions it reads, from its cells alone (2 + 5(n-1) forwards, the grid ~70); the gap
+    the verdict and the attributions it reads, from its cells alone (5n - 2 forwards; the grid 52-72); the gap
     p_clean - p_corrupt, which says if the key matters even where no ratio is; accuracy on n_eval training docs."""
     n = len(model.blocks)
     cells = [("block_output", l, "query") for l in range(n)]

@@ -1547,8 +1547,8 @@ def plot_history(folder, results, plt, log=print):
 
 
 def bench_steps(cfg, n=20, log=print):
-    """ms a training step of every architecture at cfg's sizes, median of n after a first, and the ratio to
-    attention's; with compile also compiled, both timed in 3 alternating rounds (the fastest kept)."""
+    """ms a training step of every architecture at cfg's sizes (median of n after a first) and the ratio to attention's;
+    with compile also compiled (3 alternating rounds, fastest kept); with analyze_every the cost of one watch."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]

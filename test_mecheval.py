@@ -1134,11 +1134,11 @@ def test_plot_draws_a_sweep_folder(tmp_path, capsys, monkeypatch):
 
 
 def test_plot_draws_how_a_run_formed(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is optional; the plot itself is checked where it is installed")
     assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "plain", "--analyze_every", "0"]) == 0
     assert m.main(["--plot", str(tmp_path / "plain")]) == 2
     assert "--analyze_every" in capsys.readouterr().err
     assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "watched", "--analyze_every", "10"]) == 0
-    pytest.importorskip("matplotlib", reason="matplotlib is optional; the plot itself is checked where it is installed")
     assert m.main(["--plot", str(tmp_path / "watched")]) == 0
     png = (tmp_path / "watched" / "formation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

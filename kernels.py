@@ -2,14 +2,6 @@
 kernels.py: the expensive sequence operations of mecheval's mixers, each as a plain reference (the
 definition you learn from) beside a fast form that gives the same outputs and gradients.
 
-    op                  reference (definition)                 fast form
-    short_conv          shift-and-add over the k taps          depthwise F.conv1d, backward written out
-    long_conv           sum over lags of shifted inputs        Toeplitz matmul (L <= 128), rfft / irfft (n = 2L)
-    based_attention     explicit 73-dim Taylor features        kernel identity 1 + s + s²/2 on q·k
-    ssm_kernel          H3's S4D kernel by complex powers      real arithmetic, baby-step giant-step powers
-    selective_scan      Mamba-1 loop indexing (B, L, E, N)     loop on (B, E, N) slices; Hillis-Steele scan
-    delta_rule          token-by-token recurrence              chunked WY/UT form, triangular solves
-
 Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the short and the
 Toeplitz convolutions, whose backward is written out (checked with gradcheck in the tests).
 `python kernels.py` benchmarks reference vs fast forward + backward. mecheval.py --compile compiles them.
@@ -305,19 +297,15 @@ def timeit(fn, device="cpu", reps=11):
     return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]
 
 
-def benchmark(device="cpu", reps=11, shapes=((32, 37, 64), (32, 200, 64))):
-    print(f"kernels.py benchmark on {device}: forward + backward, median ms of {reps} calls (B, L, d); "
-          f"ratio = reference / fast")
-    print(f"{'op':<24}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}")
-    gen = torch.Generator().manual_seed(0)
-    for op, (ref, fast) in PAIRS.items():
-        for B, L, d in shapes:
-            args = [a.to(device).requires_grad_(a.is_floating_point()) for a in _inputs(op, B, L, d, gen)]
-            t_ref, t_fast = (timeit(lambda: fn(*args).sum().backward(), device, reps)[0] for fn in (ref, fast))
-            print(f"{op:<24}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x")
-
-
 if __name__ == "__main__":
     torch.set_flush_denormal(True)
     for device in ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available():
-        benchmark(device, reps=11 if device == "cpu" else 20)
+        reps, gen = 11 if device == "cpu" else 20, torch.Generator().manual_seed(0)
+        print(f"kernels.py benchmark on {device}: forward + backward, median ms of {reps} calls (B, L, d); "
+              f"ratio = reference / fast")
+        print(f"{'op':<24}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}")
+        for op, (ref, fast) in PAIRS.items():
+            for B, L, d in ((32, 37, 64), (32, 200, 64)):
+                args = [a.to(device).requires_grad_(a.is_floating_point()) for a in _inputs(op, B, L, d, gen)]
+                t_ref, t_fast = (timeit(lambda: fn(*args).sum().backward(), device, reps)[0] for fn in (ref, fast))
+                print(f"{op:<24}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x")

@@ -23,8 +23,10 @@ The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, n
 input, h a convolution filter, and * causal convolution over time: (h * u)_t = Σ_{s<=t} h_{t-s} u_s.
 """
 import argparse
+import functools
 import json
 import math
+import numbers
 import os
 import random
 import sys
@@ -45,7 +47,7 @@ import kernels
 PAD, BOS, EOS = 0, 1, 2   # special tokens shared by both tasks
 MAX_LEN = 1024            # longest document (the paper's l_max and position-table size)
 TASKS = ("ar", "atr")
-ATR_SETTINGS = {"easy": (5, 20), "medium": (10, 20), "8192": (5, 8192)}  # (max_rhs, terminals); bodies < max_rhs
+ATR_SETTINGS = {"easy": (4, 20), "medium": (9, 20), "8192": (4, 8192)}  # (longest rule body, terminals)
 PAPER_STEPS = {"ar": 50_016, "atr": 100_032}  # AR 16 epochs, ATR 32 epochs of 100,032 docs at B=32
 ARCHS = {}       # name -> mixer class; filled by @register in the mixer section
 DEFAULT_LR = {}  # name -> default peak learning rate
@@ -66,8 +68,7 @@ class Config:
     n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
     n_keys: int = setting(4096, "AR: number of key tokens")
     n_values: int = setting(4096, "AR: number of value tokens")
-    atr_setting: str = setting("easy", "ATR grammar (longest rule body, terminals): easy (4, 20), medium (9, 20), "
-                                       "8192 (4, 8192)")
+    atr_setting: str = setting("easy", "ATR grammar (longest rule body, terminals): easy, medium or 8192")
     atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: held-out (parent, child) pairs "
                                     "are not trained, and are tested apart (dev: allowed pairs, test: held-out)")
     atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
@@ -86,8 +87,7 @@ class Config:
     batch_size: int = setting(32, "documents per step")
     warmup: float = setting(0.1, "fraction of the steps spent in linear warm-up")
     seed: int = setting(0, "seeds the data, the grammar, the initialisation and the batch order")
-    batch_order: str = setting("shuffle", "shuffle: a fresh permutation each epoch; fixed: the authors' order, "
-                                          "the same every epoch")
+    batch_order: str = setting("shuffle", "shuffle: a new order each epoch; fixed: the authors' one, every epoch")
     eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
     # the mechanism analysis: after training, and while it trains
@@ -100,18 +100,31 @@ class Config:
     out_dir: str = setting("runs", "folder that holds the run folders")
     run_name: str = setting("", "run folder name; empty = derived from the settings")
 
-    def __post_init__(self):  # a bad setting raises ConfigError (config_errors, with the machinery)
-        bad = next((message for wrong, message in config_errors(self) if wrong), None)
-        if bad:
-            raise ConfigError(bad)
+    def __post_init__(self):
+        self.d_conv = str(self.d_conv) if type(self.d_conv) is int else self.d_conv  # d_conv=3: the width "3"
+        self.check()
+        for f in fields(self):  # numpy's numbers become Python's, which config.json can hold
+            setattr(self, f.name, f.type(getattr(self, f.name)) if f.type in (int, float) else getattr(self, f.name))
         self.lr = self.lr or DEFAULT_LR[self.arch]
         self.steps = self.steps or PAPER_STEPS[self.task]
         self.run_name = self.run_name or default_run_name(self)
+
+    def check(self):  # a bad setting: one ConfigError sentence (config_errors, with the machinery)
+        bad = next((message for wrong, message in config_errors(self) if wrong), None)
+        if bad:
+            raise ConfigError(bad)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Tasks. Both produce fixed splits of padded documents with one trained prediction each: at the query
 # position the model must output the answer, the next token; the loss is read there and nowhere else.
+# The named positions, where the analysis corrupts and patches:
+#     name       AR (make_ar)                  ATR (make_atr_split)
+#     key        the queried pair's key        the queried child, in the sentence
+#     value      its value, right after it     the child's parent, to its right, often far
+#     next_key   the next pair's key           the token after the child (key + 1)
+#     divider    the EOS before the query      the EOS before the query
+#     query      the key, asked again          the child, asked again
 
 @dataclass
 class Split:
@@ -137,7 +150,8 @@ class Task:
     train: Split
     eval: Split
     token_names: list        # id -> readable token
-    classes: dict            # "key" / "value" -> (lo, hi): the id range a corrupted token is drawn from
+    classes: dict            # "key" / "value" -> (lo, hi): the ids [lo, hi) of the tokens that can stand there
+                             # (AR: keys, values; ATR: terminals); a corrupted token is drawn from them
     heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
     test: Split = None       # ATR generalisation split: the test documents (queries on held-out pairs)
 
@@ -200,16 +214,13 @@ def make_ar(cfg, n, rng):
 class Grammar:
     """The random right-headed PCFG behind associative treecall, the paper's new task (tinylang's grammar).
 
-    40 nonterminals, each with a depth score in 1..10; a rule for X uses only nonterminals of larger
-    score, so there is no recursion. Each X has 1..5 rules with Dirichlet(1) probabilities; a rule body
-    has 1..max_rhs-1 symbols drawn with replacement from {allowed nonterminals, weight 1 each} and {a terminal,
-    weight 20} (a terminal slot gets a uniformly random terminal, fixed in the rule). Each X also has a
-    Dirichlet(1) head distribution over terminals. Expanding X writes its body's expansions and then a
-    head terminal as the rightmost symbol; that head is the parent of everything X produced directly
-    (terminals, and the heads of child nonterminals).
+    A rule for X uses only nonterminals of larger depth score (no recursion); a body has 1..max_body symbols
+    (tinylang's max_rhs = max_body + 1, an exclusive bound), a terminal slot fixed in the rule. Expanding X writes
+    its body's expansions and then a head terminal as the rightmost symbol; that head is the parent of everything
+    X produced directly (terminals, and the heads of child nonterminals).
     """
 
-    def __init__(self, rng, n_terminals, max_rhs, n_nonterminals=40, max_depth=10, max_rules=5,
+    def __init__(self, rng, n_terminals, max_body, n_nonterminals=40, max_depth=10, max_rules=5,
                  terminal_weight=20):
         self.n_terminals = n_terminals
         depth = rng.integers(1, max_depth + 1, n_nonterminals)
@@ -223,7 +234,7 @@ class Grammar:
                     return int(rng.integers(n_terminals))
                 return -(allowed[rng.integers(len(allowed))] + 1)
             n_rules = rng.integers(1, max_rules + 1)
-            bodies = [[symbol() for _ in range(rng.integers(1, max_rhs))] for _ in range(n_rules)]
+            bodies = [[symbol() for _ in range(rng.integers(1, max_body + 1))] for _ in range(n_rules)]
             self.rules.append(bodies)
             self.rule_cum.append(np.cumsum(rng.dirichlet(np.ones(len(bodies)))).tolist())
             self.head_cum.append(np.cumsum(rng.dirichlet(np.ones(n_terminals))).tolist())
@@ -274,7 +285,7 @@ def make_atr_split(grammar, n, stream, allow=None):
     docs, at = [], []  # per document: key, value, next_key, divider, query, answer
     for i in range(n):
         rng = random.Random(f"{stream}/{i}")
-        while True:
+        for _ in range(100_000):  # bounded: a rejection loop must end
             s = grammar.sample(rng, MAX_LEN - 5)
             if s is None or len(s[0]) < 3:
                 continue
@@ -286,6 +297,9 @@ def make_atr_split(grammar, n, stream, allow=None):
                     by_parent.setdefault(parents[c], []).append(c)
             if by_parent:
                 break
+        else:
+            raise ConfigError(f"100,000 sentences in a row had no query allowed in stream {stream}; with "
+                              f"atr_split=gen, choose an atr_heldout that holds out some pairs but not nearly all")
         p = rng.choice(sorted(by_parent))
         c = rng.choice(by_parent[p])
         n_tok = len(tokens)
@@ -303,12 +317,15 @@ def make_task(cfg, train=True):
         rng = lambda stream: np.random.default_rng([cfg.seed, stream])
         return Task("ar", 3 + K + V, make_ar(cfg, cfg.n_train, rng(0)) if train else None,
                     make_ar(cfg, cfg.n_eval, rng(1)), names, {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)})
-    max_rhs, n_terminals = ATR_SETTINGS[cfg.atr_setting]
+    max_body, n_terminals = ATR_SETTINGS[cfg.atr_setting]
     grammar_rng = np.random.default_rng([cfg.seed, 2])
-    grammar = Grammar(grammar_rng, n_terminals, max_rhs)
+    grammar = Grammar(grammar_rng, n_terminals, max_body)
     heldout, allow, test = None, None, None
     if cfg.atr_split == "gen":  # hold out a random fraction of (parent type, child type) pairs
         heldout = grammar_rng.random((n_terminals, n_terminals), dtype=np.float32) < cfg.atr_heldout
+        if heldout.all() or not heldout.any():
+            raise ConfigError(f"atr_heldout={cfg.atr_heldout} holds out {int(heldout.sum())} of the {heldout.size} "
+                              f"(parent, child) pairs; both splits need some")
         allow = lambda p, c: not heldout[p, c]
         test = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/test", lambda p, c: heldout[p, c])
     gen = "" if cfg.atr_split == "iid" else "/heldout"
@@ -329,21 +346,28 @@ def register(name, lr):
     checked on every mixer built: Mixer(cfg, layer_idx) is the nn.Module of block layer_idx (cfg.d_model = d); its
     forward maps the normed stream (B, L, d) to (B, L, d), causally (output t reads input up to t). Its sites:
     mixer_input, mixer_output, and conv_output if it calls a ShortConv. Mark its output projection writes_residual."""
+    if not (isinstance(lr, numbers.Real) and 0 < lr < math.inf):
+        raise ConfigError(f"register('{name}', lr={lr!r}): the default learning rate must be a positive number")
+
     def wrap(cls):
         ARCHS[name], DEFAULT_LR[name] = cls, lr
         return cls
     return wrap
 
 
-def check_mixer(mixer, cfg):
-    """register's contract on a new mixer: (B, L, d) to the same shape, causal; else one ConfigError sentence."""
-    u, other = torch.randn(2, 2, 16, cfg.d_model, generator=torch.Generator().manual_seed(0))
+def check_mixer(mixer, cfg, L=32):
+    """register's contract, else one ConfigError sentence: row t of a batch keeps u up to t, the rest drawn anew, and
+    its outputs up to t must equal u's (causal, at any distance); every output has u's shape."""
+    u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    keep = torch.arange(L)[None, :, None] <= torch.arange(L)[:, None, None]  # (L rows, L, 1): row t keeps 0..t
     with torch.no_grad():
-        y, y2 = mixer(u), mixer(torch.cat([u[:, :8], other[:, 8:]], 1))  # the same past, another future
-    shape = tuple(getattr(y, "shape", ())) or type(y).__name__
-    if shape != u.shape or not torch.allclose(y[:, :8], y2[:, :8], rtol=1e-4, atol=1e-6):
-        broken = "is not causal: its output at positions 0-7 changed with its input after them" if shape == u.shape \
-            else f"returned {shape} for an input of shape {tuple(u.shape)}"
+        y = mixer(torch.cat([u, torch.where(keep, u, other)]))  # (1 + L, L, d): u, then the L altered inputs
+    shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (L + 1, L, cfg.d_model)
+    leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand(L, -1, -1), rtol=1e-4, atol=1e-6).all(-1)
+                                     & keep[..., 0]).nonzero().tolist()  # [t, s]: row t moved output s
+    if shape != want or leak:
+        broken = f"returned {shape} for an input of shape {want}" if shape != want else (
+            f"is not causal: its output at position {leak[0][1]} changed with its input after position {leak[0][0]}")
         raise ConfigError(f"mixer '{cfg.arch}' {broken}; a registered mixer maps (B, L, d) to (B, L, d), causally")
     return mixer
 
@@ -361,10 +385,9 @@ class Attention(nn.Module):
 
         [q | k | v] = u W_qkvᵀ            (no bias)
         o = softmax(q kᵀ / √d + mask) v    mask[t, s] = -1e4 for s > t
-        out = o W_oᵀ + b_o                 (out_proj keeps its bias although bias=False is passed)
+        out = o W_oᵀ + b_o                 (out_proj has a bias, as zoology's)
 
-    The fast path is PyTorch's scaled_dot_product_attention with a causal mask; `reference=True` runs the
-    explicit softmax with zoology's additive -1e4 mask (identical in fp32, tested).
+    The fast path is scaled_dot_product_attention; `reference=True` runs the softmax above (identical in fp32, tested).
     """
     reference = False
 
@@ -387,9 +410,8 @@ class Attention(nn.Module):
 
 
 class ShortConv(nn.Conv1d):
-    """Causal depthwise convolution y = h * u, short filter h (zoology's ShortConvolution, Mamba's conv1d),
-    run by kernels.short_conv on (B, L, channels). Most of the catalogue calls one; its output is the site
-    conv_output, where a conv carries a token to the next positions."""
+    """Causal depthwise convolution y = h * u, short filter h (zoology's ShortConvolution, Mamba's conv1d). Most of
+    the catalogue calls one; its output is the site conv_output, where a conv carries a token to the next positions."""
 
     def __init__(self, channels, width, bias=True):
         super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
@@ -409,16 +431,15 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm residual block: r = r + mixer(LN(r)); r = r + MLP(LN(r)). The sites block_input / block_output
-    are r in and out: block_output of layer l is the same tensor as block_input of l+1. A mixer class with
-    mamba_block = True gets Mamba's block (mamba_ssm's Block): RMSNorm (eps 1e-5), no MLP, its own init."""
+    are r in and out: block_output of layer l is the same tensor as block_input of l+1. A mixer class may bring
+    its own block: its `norm` in place of LayerNorm, and `mlp = False` for none (Mamba's, in the catalogue)."""
 
     def __init__(self, cfg, layer_idx):
         super().__init__()
         d, mixer_cls = cfg.d_model, ARCHS[cfg.arch]
-        self.mamba = getattr(mixer_cls, "mamba_block", False)
-        self.norm1 = nn.RMSNorm(d, eps=1e-5) if self.mamba else nn.LayerNorm(d)
+        self.norm1 = getattr(mixer_cls, "norm", nn.LayerNorm)(d)
         self.mixer = check_mixer(mixer_cls(cfg, layer_idx), cfg)
-        self.norm2, self.mlp = (None, None) if self.mamba else (nn.LayerNorm(d), MLP(d))
+        self.norm2, self.mlp = (nn.LayerNorm(d), MLP(d)) if getattr(mixer_cls, "mlp", True) else (None, None)
 
     def forward(self, r):                # (B, L, d) -> (B, L, d)
         r = r + self.mixer(self.norm1(r))
@@ -434,7 +455,7 @@ class LanguageModel(nn.Module):
         positions = cfg.pos_emb == "on" or (cfg.pos_emb == "auto" and cfg.arch == "attention")
         self.pos_emb = nn.Embedding(MAX_LEN, cfg.d_model) if positions else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = nn.LayerNorm(cfg.d_model)  # every architecture's, Mamba's too (zoology's LanguageModel)
 
     def hidden(self, ids):               # (B, L) -> (B, L, d), after the final LayerNorm
         x = self.embed(ids)
@@ -452,38 +473,29 @@ class LanguageModel(nn.Module):
 
 
 def zoology_init(model, n_layers):
-    """zoology's _init_weights (mamba_ssm's for Mamba's blocks). Others: every Linear N(0, 0.02), zero bias,
-    embeddings N(0, 0.02), then the projections marked writes_residual N(0, 0.02/√(2·n_layers)). Mamba's:
-    Linear weights keep PyTorch's default, biases are zeroed except dt_proj's, embeddings N(0, 0.02), the
-    writes_residual projection is redrawn U(±1/√fan_in)/√n_layers. Conv1d and SSM parameters keep their own."""
-    mamba = model.blocks[0].mamba
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and not mamba):
+    """zoology's _init_weights, rule by rule below; Conv1d and SSM parameters keep their own."""
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, nn.Linear)):
             nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
+        if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
     for m in (m for m in model.modules() if getattr(m, "writes_residual", False)):
-        if mamba:
-            nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
-            with torch.no_grad():
-                m.weight /= math.sqrt(n_layers)
-        else:
-            nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * n_layers))
+        nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * n_layers))
 
 
 def build_model(cfg, vocab_size):
-    """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was)."""
+    """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was) by zoology_init, or by
+    the mixer class's own init_weights (Mamba's)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LanguageModel(cfg, vocab_size)
-        zoology_init(model, cfg.n_layers)
+        getattr(ARCHS[cfg.arch], "init_weights", zoology_init)(model, cfg.n_layers)
     return model
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training, as the paper: AdamW (0.9, 0.999), no weight decay, 10 % linear warm-up then cosine to 0,
-# batch 32, fp32, cross-entropy on the answer only. Evaluation: answer accuracy and the mean
-# probability of the answer on the fixed evaluation split.
+# Training, as the paper: AdamW (0.9, 0.999), no weight decay, 10 % linear warm-up then cosine to 0, batch 32,
+# fp32, cross-entropy on the answer only. Evaluation: accuracy and mean p(answer) on the fixed evaluation split.
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or infinite."""
@@ -528,35 +540,30 @@ def setup(cfg):
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     device = next(kind for kind, ok in available.items() if ok) if cfg.device == "auto" else cfg.device
     if not available[device.split(":")[0]]:
-        raise ConfigError(f"device '{device}' was asked for but {device.split(':')[0].upper()} is not available "
-                          f"here; use auto or cpu")
+        raise ConfigError(f"device '{device}' is not available here; use auto or cpu")
     torch.set_flush_denormal(device == "cpu")
     torch.backends.cudnn.allow_tf32 = False
     return device
 
 
-def adamw(model, lr, device):
+def adamw(model, lr):
     """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                             fused=device.startswith(("cpu", "cuda", "mps")))
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0, fused=True)
 
 
 def answer_loss(model, ids, query, answer):
-    """The training loss: the cross-entropy of the answer at the query."""
     return F.cross_entropy(answer_logits(model, ids, query), answer)
 
 
 def step_loss(compile, device):
-    """answer_loss, or compiled (forward and backward; CUDA graphs on CUDA)."""
     if not compile:
         return answer_loss
     torch._dynamo.reset()  # one model per compile cache: a run, or each architecture of --bench
-    mode = "reduce-overhead" if device.startswith("cuda") else None
+    mode = "reduce-overhead" if device.startswith("cuda") else None  # CUDA graphs; forward and backward compile
     return torch.compile(answer_loss, mode=mode, dynamic=False)
 
 
 def train_step(model, optimizer, ids, query, answer, loss_fn=answer_loss):
-    """One optimiser step on answer_loss (or its compiled form); returns the loss."""
     loss = loss_fn(model, ids, query, answer)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -605,71 +612,32 @@ class Batches:
 
 
 def train(cfg, log=print):
-    """Train the model of cfg as the paper and return the results. The run folder keeps a checkpoint every
-    eval_every steps; a rerun continues from it on the same trajectory."""
+    """Train the model of cfg as the paper and return its results; the rest (folder, checkpoints and resume, the
+    NaN stop, progress lines, the watched mechanism) is a Run's, handed the parts, each evaluation, then the end."""
     device = setup(cfg)
-    folder = RunFolder(cfg)  # out_dir/run_name; refuses a folder that holds a run of other settings
-    log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
-    t0 = time.time()
+    run = Run(cfg, log)  # the run folder, out_dir/run_name: refused if it holds other settings
+    if run.finished:     # a finished run is not trained again: its results as they are
+        return run.results
     task = make_task(cfg)
-    log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
-        f"{task.vocab_size:,} tokens, built in {time.time() - t0:.1f}s")
     model = build_model(cfg, task.vocab_size).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
-    results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0, "history": [],
-               "train_seconds": 0.0}
-    optimizer = adamw(model, cfg.lr, device)
+    optimizer = adamw(model, cfg.lr)
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
     batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
-    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "batches": batches}
-    results = folder.restore(state, log) or results  # an unfinished run continues from its checkpoint
-    history = results["history"]
-    reached = lambda acc: 0 < cfg.target_acc <= acc  # the early stop
+    first = run.begin(task, model, optimizer, schedule, batches)  # 1, or the step after the checkpoint it restored
     ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
-    loss_fn = step_loss(cfg.compile, device)
-    loss_sum, t_last, ev = torch.zeros((), device=device), time.time(), None
-    first = cfg.steps + 1 if history and reached(history[-1]["acc"]) else results["steps_done"] + 1  # done: skip
+    loss_fn, loss_sum = step_loss(cfg.compile, device), torch.zeros((), device=device)
     for step in range(first, cfg.steps + 1):
-        idx, L = batches.next()
+        idx, L = batches.next()  # B documents, their padding trimmed to the longest
         loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx], loss_fn).detach()
         schedule.step()
-        if step % cfg.eval_every and step != cfg.steps:
-            continue
-        # every eval_every steps: the mean loss, an evaluation, a progress line, a checkpoint
-        n = step - results["steps_done"]  # steps since the last evaluation
-        dt, loss = time.time() - t_last, (loss_sum / n).item()
-        results["train_seconds"] += dt
-        if not math.isfinite(loss):
-            folder.save(results, "nonfinite")
-            raise NonFiniteLoss(f"the training loss became {loss} between steps {step - n + 1} and {step} "
-                                f"(lr={cfg.lr:g}); {folder.dir} keeps the last good checkpoint")
-        ev = evaluate(model, task.eval)
-        history.append({"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer": round(ev["p_answer"], 5),
-                        "lr": schedule.get_last_lr()[0]})
-        if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
-            history[-1].update(watch(model, task, cfg))
-        results.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
-                       best_acc=max(ev["acc"], results.get("best_acc", 0.0)))
-        h = history[-1]
-        watched = f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}" if "verdict" in h else ""
-        log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f} | "
-            f"{1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}{watched}")
-        folder.checkpoint(step, state, results)
-        if reached(ev["acc"]):
-            break
-        loss_sum, t_last = torch.zeros((), device=device), time.time()
-    ev = ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
-    results["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
-    folder.save(results, "target reached" if reached(ev["acc"]) else "completed", model)
-    log(f"done ({results['status']}) after {results['steps_done']:,} steps, {fmt_time(results['train_seconds'])} of "
-        f"training ({results['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
-    for line in results["wrong_examples"]:
-        log("  wrong: " + line)
-    if task.test is not None or cfg.analyze:
-        folder.save(analyze(model, task, cfg, results, log, cfg.analyze))
-    return results
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            ev = evaluate(model, task.eval)
+            run.evaluated(step, loss_sum, ev)  # the seam: history, progress line, checkpoint; a NaN loss stops
+            loss_sum.zero_()
+            if 0 < cfg.target_acc <= ev["acc"]:  # the early stop
+                break
+    return run.end()  # the final evaluation, a few wrong answers, the mechanism's grid; all saved
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -677,10 +645,10 @@ def train(cfg, log=print):
 # corrupted, its key replaced by another (pyvene's source and base). One clean activation, at one site,
 # layer and position, is patched into the corrupted run; how much of p(answer) comes back?
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
-# Sites are hooks, the same in every model: block_input / block_output (the residual stream), mixer_ and mlp_
-# input / output, conv_output on a ShortConv. Patching an *_input changes only that branch, not the stream.
-# To reuse the method, copy hooks, read_at, write_at, interchange and mechanism; they need
-# model.blocks[l].mixer / .mlp, a ShortConv for conv_output, and model.hidden / .head.
+# Sites (SITES) are hooks, the same in every model; patching an *_input changes only that branch, not the stream.
+# To reuse the method, copy SITES, POSITIONS, ROUTE, site_module, model_sites, hooks, read_at, write_at, patch,
+# interchange, corrupt_tokens, answer_logits, mechanism, verdict and ShortConv (for conv_output). They need
+# model.blocks[l].mixer / .mlp, model.hidden / .head, task.classes and an eval Split (ids, lengths, pos, answers).
 
 SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
 POSITIONS = ("key", "value", "next_key", "divider", "query")
@@ -745,17 +713,20 @@ def write_at(positions, values):
     return fn
 
 
-def interchange(model, corrupted_ids, clean, site, layer, positions, run=None):
-    """run(corrupted_ids) (default: the model, logits (B, L, V)) with the clean activation at `site` of block
-    `layer` patched in at positions (B,), one a document (-1: none). clean: the clean documents (B, L), or
-    their activations there as read_at read them (B, d), as mechanism passes them for a whole grid."""
-    if not clean.is_floating_point():  # token ids: read the clean activation first
-        read = {}
-        with hooks(model, {(site, layer): read_at({"x": positions}, read)}):
-            model.hidden(clean)
-        clean = read["x",]
-    with hooks(model, {(site, layer): write_at(positions, clean)}):
-        return (run or model)(corrupted_ids)
+def patch(model, ids, site, layer, positions, values, run=None):
+    """run(ids) (default: the model, logits (B, L, V)) with the activation at `site` of block `layer` replaced, in
+    document b at positions[b] (-1: nowhere), by values[b]: a patched forward, the intervention's one step."""
+    with hooks(model, {(site, layer): write_at(positions, values)}):
+        return (run or model)(ids)
+
+
+def interchange(model, corrupted_ids, clean_ids, site, layer, positions):
+    """One interchange intervention: the logits (B, L, V) of the corrupted documents, with the clean documents'
+    activation at `site` of block `layer` patched in at positions (B,), one a document (-1: none)."""
+    read = {}
+    with hooks(model, {(site, layer): read_at({"x": positions}, read)}):
+        model.hidden(clean_ids)
+    return patch(model, corrupted_ids, site, layer, positions, read["x",])
 
 
 def corrupt_tokens(task, split, which, gen):
@@ -770,8 +741,10 @@ def corrupt_tokens(task, split, which, gen):
 
 @torch.no_grad()
 def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
-    """The grid: interchange at every (site, layer, position), or at cells only, one forward a cell over a split
-    (default: eval), after one forward that reads every clean activation. Returns p_clean, p_corrupt, grid, verdict."""
+    """The grid: an interchange intervention at every (site, layer, position), or at `cells` only, on a split (default:
+    eval). One clean forward reads every activation the cells patch in, one corrupted forward gives p_corrupt, then
+    one patched forward a cell, batched over the M documents, each patched at its own position: 2 + cells forwards.
+    Returns p_clean, p_corrupt, the grid (one entry a cell) and the verdict."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
     L = int(split.lengths.max())
@@ -791,7 +764,7 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
     p_corrupt = p_answer(corrupted)
     means = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
     for site, layer, k in cells:
-        p_patched = interchange(model, corrupted, acts[site, layer, k], site, layer, pos[k], p_answer)
+        p_patched = patch(model, corrupted, site, layer, pos[k], acts[site, layer, k], p_answer)
         has = (pos[k] >= 0).float()
         mean = lambda p: (p * has).sum() / has.sum().clamp(min=1)
         means.append(torch.stack([mean(p_clean), mean(p_corrupt), mean(p_patched)]))
@@ -807,21 +780,26 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
     return result
 
 
-READS = {"value": "induction", "key": "direct retrieval", "next_key": "direct retrieval from the next key"}
+# the route that a high attribution at each position of the retrieving layer's input means
+ROUTE = {"value": "induction", "key": "direct retrieval", "next_key": "direct retrieval from the next key"}
 
 
 def verdict(mech, threshold=0.5):
-    """The paper's reading of the grid, for two layers:
+    """The paper's reading of the grid. The question is where layer 1 finds what it needs: the last layer's input
+    (block_input) patched at one position brings p(answer) back only if that position's residual stream carries it.
 
-        layer-0 block_output at the query >= 0.5   direct retrieval in layer 0
-        else the best of layer-1 block_input at:
-          value >= 0.5                             induction (layer 0 stored the key at the value token)
-          key >= 0.5                               direct retrieval in layer 1 (its mixer reads the key)
-          next key >= 0.5                          direct retrieval from the next key (a conv moved it on)
-          none, or a tie                           mixed
+    Two layers, the paper's models:
+        layer-0 block_output at the query >= 0.5   direct retrieval in layer 0 (the answer is made at the query)
+        else the highest of layer-1 block_input at (query too is reported, but a query route is layer 0's, above):
+          value >= 0.5     induction: layer 0 copied the key onto the value token, where layer 1 matches the query
+                           against it and copies that value, as an induction head does
+          key >= 0.5       direct retrieval in layer 1 (its mixer reads the key itself)
+          next key >= 0.5  direct retrieval from the next key (a short conv moved the key on to it)
+          none, or a tie   mixed
 
-    Deeper: the first layer whose block_output at the query reaches 0.5 (else the last) retrieves, read as layer 0
-    if it is the first, else by its block_input as layer 1. "no verdict": the corruption costs <= 0.01 of p(answer)."""
+    Deeper models: the first layer whose block_output at the query reaches 0.5 (else the last) is the one that
+    retrieves; if it is layer 0 that is direct retrieval in layer 0, else its block_input is read as layer 1's above.
+    "no verdict": the corruption costs <= 0.01 of p(answer), so no attribution is defined."""
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
@@ -831,70 +809,15 @@ def verdict(mech, threshold=0.5):
     if layer == 0:
         return {"kind": "direct retrieval", "layer": 0, "reads": {"query": attr["block_output", 0, "query"]}}
     reads = {k: attr["block_input", layer, k] for k in ("value", "key", "next_key", "query")}
-    first, second = sorted(READS, key=reads.get, reverse=True)[:2]
-    kind = READS[first] if reads[first] >= threshold and reads[first] > reads[second] else "mixed"
+    first, second = sorted(ROUTE, key=reads.get, reverse=True)[:2]
+    kind = ROUTE[first] if reads[first] >= threshold and reads[first] > reads[second] else "mixed"
     return {"kind": kind, "layer": layer, "reads": reads}
-
-
-def verdict_text(v, numbers=True):
-    """A verdict in words, with the attributions it rests on unless numbers=False."""
-    if v is None:
-        return "-"
-    kind, r = v["kind"], v["layer"]
-    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
-    if not numbers:
-        return name
-    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
-             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
-    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
-
-
-def format_mechanism(mech):
-    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
-    shade = " ░▒▓█"
-    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
-            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f}")
-    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
-    cells = {}
-    for g in mech["grid"]:
-        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
-    for (layer, site), row in cells.items():
-        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
-                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
-                                                         for k in POSITIONS))
-    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
-
-
-def analyze(model, task, cfg, results, log=print, intervene=True):
-    """Adds to results the accuracy on the test documents, if the task has them, and with intervene the grid
-    of each evaluation split (mechanism, mechanism_test)."""
-    if task.test is not None:
-        ev = evaluate(model, task.test)
-        results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
-        log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} "
-            f"on {len(task.test)} documents")
-    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
-        if split is not None:
-            results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
-            log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
-    return results
-
-
-def watch(model, task, cfg):
-    """The mechanism as it forms, for the history (at the first evaluation from each multiple of analyze_every):
-    the verdict and the attributions it reads, from its cells alone (5n - 2 forwards; the grid 52-72); the gap
-    p_clean - p_corrupt, which says if the key matters even where no ratio is; accuracy on n_eval training docs."""
-    n = len(model.blocks)
-    cells = [("block_output", l, "query") for l in range(n)]
-    cells += [("block_input", l, k) for l in range(1, n) for k in (*READS, "query")]
-    mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=cells)
-    return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
-            "verdict": mech["verdict"]}
 
 
 # ----------------------------------------------------------------------------------------------------
 # The other mixers, a catalogue: each with its paper, equation and original code, registered as Attention is.
-# Skip H3 and its kernel on a first read: the hardest code here, for the paper's weakest model.
+# The paper's successes first (Based, Mamba, DeltaNet), then BaseConv, Hyena and H3, which fail AR. Skip H3 and
+# its kernel on a first read: the hardest code here, for the paper's weakest model.
 
 def conv_width(cfg, default):
     """The short-convolution width of cfg (d_conv), or the architecture's default."""
@@ -957,6 +880,92 @@ def based(cfg, layer_idx):
     return BaseConv(cfg.d_model, conv_width(cfg, 3)) if layer_idx % 2 == 0 else BasedAttention(cfg.d_model)
 
 
+@register("mamba", lr=3e-3)
+class Mamba(nn.Module):
+    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.py, Mamba), state N=16, expand 2 (E = 2d channels),
+    dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
+        [x | z] = u W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
+        y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
+    selective_scan, per channel e with state h_t (N,), from h_0 = 0 (kernels.selective_scan_ref is the loop):
+        h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t x_t;   y_t = C_t · h_t + D x_t
+    --d_conv 0 drops the convolution (x = SiLU(x)); the width-4 conv1d is still built, unused, as in
+    tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block is mamba_ssm's Block:
+    RMSNorm (eps 1e-5), then the mixer, and no MLP; its init is mamba_ssm's (init_weights)."""
+    norm, mlp = functools.partial(nn.RMSNorm, eps=1e-5), False
+
+    def __init__(self, cfg, layer_idx, d_state=16, expand=2):
+        super().__init__()
+        d = cfg.d_model
+        E, N, r = expand * d, d_state, math.ceil(d / 16)
+        self.d_conv = conv_width(cfg, 4)
+        self.in_proj = nn.Linear(d, 2 * E, bias=False)
+        self.conv1d = ShortConv(E, self.d_conv) if self.d_conv else nn.Conv1d(E, E, 4, groups=E, padding=3)
+        self.x_proj = nn.Linear(E, r + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(r, E)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(E, 1))   # A = -[1..N]
+        self.D = nn.Parameter(torch.ones(E))
+        self.out_proj = writes_residual(nn.Linear(E, d, bias=False))
+        # Δ's projection: weight U(±r^-1/2); bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1], >= 1e-4
+        nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
+        dt = torch.exp(torch.rand(E) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    @staticmethod
+    def init_weights(model, n_layers):
+        """mamba_ssm's _init_weights: Linear weights keep PyTorch's default, biases are zeroed except dt_proj's,
+        embeddings N(0, 0.02), out_proj redrawn U(±1/√fan_in)/√n_layers."""
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
+                nn.init.zeros_(m.bias)
+        for m in (m for m in model.modules() if getattr(m, "writes_residual", False)):
+            nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
+            with torch.no_grad():
+                m.weight /= math.sqrt(n_layers)
+
+    def forward(self, u):                                               # (B, L, d)
+        x, z = self.in_proj(u).chunk(2, dim=-1)                         # (B, L, E) each
+        if self.d_conv:
+            x = self.conv1d(x)
+        x = F.silu(x)
+        r, N = self.dt_proj.in_features, self.A_log.shape[1]
+        delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
+        parallel = x.is_cuda and torch.compiler.is_compiling()  # few launches to graph; a CPU loops faster
+        scan = kernels.selective_scan_parallel if parallel else kernels.selective_scan
+        y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
+        return self.out_proj(y * F.silu(z))
+
+
+@register("deltanet", lr=1e-3)
+class DeltaNet(nn.Module):
+    """DeltaNet (Schlag et al. 2021; Yang et al. 2024; fla layers/delta_net.py, DeltaNet), one head:
+        q, k, v = SiLU(ShortConv4(x W_{q,k,v}ᵀ)) (no conv bias);  q, k L2-normalised;  β = σ(x W_βᵀ)
+        S_t = S_{t-1} + k_t β_t (v_t - S_{t-1}ᵀ k_t)ᵀ;  o_t = S_tᵀ q_t / √d;  out = RMSNorm(o) W_oᵀ
+    fp32 throughout (fla's kernel runs bf16). --d_conv sets the short-conv width (0 = none)."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        d = cfg.d_model
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)  # fla's q_proj, k_proj, v_proj stacked
+        self.b_proj, self.o_proj = nn.Linear(d, 1, bias=False), nn.Linear(d, d, bias=False)
+        width = conv_width(cfg, 4)
+        self.conv1d = ShortConv(3 * d, width, bias=False) if width else None  # fla's q/k/v_conv1d stacked
+        self.o_norm = nn.RMSNorm(d, eps=1e-5)
+
+    def forward(self, x):                                               # (B, L, d)
+        qkv = self.qkv_proj(x)                                          # (B, L, 3d)
+        if self.conv1d is not None:
+            qkv = self.conv1d(qkv)
+        q, k, v = F.silu(qkv).chunk(3, dim=-1)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(q.shape[-1])
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(self.b_proj(x))[..., 0]                    # (B, L)
+        return self.o_proj(self.o_norm(kernels.delta_rule(q, k, v, beta)))
+
+
 @register("base_conv", lr=3e-3)
 def base_conv(cfg, layer_idx):
     """BaseConv with zoology's kernel_size=[3, -1, 3, -1]: short (width 3) in even layers, implicit long in
@@ -1006,9 +1015,8 @@ class H3(nn.Module):
         k̃ = K_shift * k + D_k ⊙ k                 shift SSM: K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j]
         ŷ_h = K_h * (k̃_h v_hᵀ) + D_h (k̃_h v_hᵀ)  diagonal S4D SSM over the 2x2 outer products of a head
         y_h = q_hᵀ ŷ_h;  out = y W_oᵀ + b_o        output channels ordered (j, h) as in zoology
-    K_h[t] = 2 Re Σ_n C̃_n λ_n^t over N/2 conjugate-pair modes, bilinear discretisation
-    λ = (1 + ΔA/2)/(1 - ΔA/2), C̃ = C B Δ/(1 - ΔA/2), A_n = -exp(inv_A_real) + i A_imag (kernels.ssm_kernel_ref).
-    Complex parameters are stored as real (..., 2) pairs, as in zoology."""
+    K_h is S4D's bilinear kernel over N/2 conjugate-pair modes (kernels.py), A_n = -exp(inv_A_real) + i A_imag;
+    complex parameters are stored as real (..., 2) pairs, as in zoology."""
 
     def __init__(self, cfg, layer_idx, d_state=1024, head_dim=2):
         super().__init__()
@@ -1051,85 +1059,22 @@ class H3(nn.Module):
         return self.output_linear(y.transpose(1, 2).reshape(Bsz, L, d))       # channels ordered (j, h)
 
 
-@register("mamba", lr=3e-3)
-class Mamba(nn.Module):
-    """Mamba-1 (Gu & Dao 2023; state-spaces/mamba mamba_simple.py, Mamba), state N=16, expand 2 (E = 2d channels),
-    dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
-        [x | z] = u W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
-        y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
-    --d_conv 0 drops the convolution (x = SiLU(x)); the width-4 conv1d is still built, unused, as in
-    tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block has no MLP (see Block)."""
-    mamba_block = True
-
-    def __init__(self, cfg, layer_idx, d_state=16, expand=2):
-        super().__init__()
-        d = cfg.d_model
-        E, N, r = expand * d, d_state, math.ceil(d / 16)
-        self.d_conv = conv_width(cfg, 4)
-        self.in_proj = nn.Linear(d, 2 * E, bias=False)
-        self.conv1d = ShortConv(E, self.d_conv) if self.d_conv else nn.Conv1d(E, E, 4, groups=E, padding=3)
-        self.x_proj = nn.Linear(E, r + 2 * N, bias=False)
-        self.dt_proj = nn.Linear(r, E)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(E, 1))   # A = -[1..N]
-        self.D = nn.Parameter(torch.ones(E))
-        self.out_proj = writes_residual(nn.Linear(E, d, bias=False))
-        # Δ's projection: weight U(±r^-1/2); bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1], >= 1e-4
-        nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
-        dt = torch.exp(torch.rand(E) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-
-    def forward(self, u):                                               # (B, L, d)
-        x, z = self.in_proj(u).chunk(2, dim=-1)                         # (B, L, E) each
-        if self.d_conv:
-            x = self.conv1d(x)
-        x = F.silu(x)
-        r, N = self.dt_proj.in_features, self.A_log.shape[1]
-        delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
-        delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
-        parallel = x.is_cuda and torch.compiler.is_compiling()  # few launches to graph; a CPU loops faster
-        scan = kernels.selective_scan_parallel if parallel else kernels.selective_scan
-        y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
-        return self.out_proj(y * F.silu(z))
-
-
-@register("deltanet", lr=1e-3)
-class DeltaNet(nn.Module):
-    """DeltaNet (Schlag et al. 2021; Yang et al. 2024; fla layers/delta_net.py, DeltaNet), one head:
-        q, k, v = SiLU(ShortConv4(x W_{q,k,v}ᵀ)) (no conv bias);  q, k L2-normalised;  β = σ(x W_βᵀ)
-        S_t = S_{t-1} + k_t β_t (v_t - S_{t-1}ᵀ k_t)ᵀ;  o_t = S_tᵀ q_t / √d;  out = RMSNorm(o) W_oᵀ
-    fp32 throughout (fla's kernel runs bf16). --d_conv sets the short-conv width (0 = none)."""
-
-    def __init__(self, cfg, layer_idx):
-        super().__init__()
-        d = cfg.d_model
-        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)  # fla's q_proj, k_proj, v_proj stacked
-        self.b_proj, self.o_proj = nn.Linear(d, 1, bias=False), nn.Linear(d, d, bias=False)
-        width = conv_width(cfg, 4)
-        self.conv1d = ShortConv(3 * d, width, bias=False) if width else None  # fla's q/k/v_conv1d stacked
-        self.o_norm = nn.RMSNorm(d, eps=1e-5)
-
-    def forward(self, x):                                               # (B, L, d)
-        qkv = self.qkv_proj(x)                                          # (B, L, 3d)
-        if self.conv1d is not None:
-            qkv = self.conv1d(qkv)
-        q, k, v = F.silu(qkv).chunk(3, dim=-1)
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(q.shape[-1])
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        beta = torch.sigmoid(self.b_proj(x))[..., 0]                    # (B, L)
-        return self.o_proj(self.o_norm(kernels.delta_rule(q, k, v, beta)))
-
-
 # ----------------------------------------------------------------------------------------------------
 # The rest is machinery: validation, run folders and resume, sweeps and presets, plots, benchmark,
 # command line.
 
 def config_errors(c):
     """(is it wrong, what to say) for the settings of Config c, checked in this order."""
+    kinds = {int: (numbers.Integral, "an integer"), float: (numbers.Real, "a number"), str: (str, "a string"),
+             bool: (bool, "True or False")}
+    for f in fields(c):
+        v, (kind, name) = getattr(c, f.name), kinds[f.type]
+        yield not isinstance(v, kind) or isinstance(v, bool) != (f.type is bool), f"{f.name} must be {name}, not {v!r}"
+    default = {f.name: f.default for f in fields(c)}
     widths = {"mamba": "0 1 2 3 4", "deltanet": "0 1 2 3 4", "based": "1 2 3 4 long", "base_conv": "1 2 3 4 long"}
     for name, allowed in (("task", TASKS), ("arch", list(ARCHS)), ("pos_emb", ("auto", "on", "off")),
-                          ("atr_setting", list(ATR_SETTINGS)), ("atr_split", ("iid", "gen")), ("corrupt", ("key", "value")),
-                          ("batch_order", ("shuffle", "fixed")),
+                          ("atr_setting", list(ATR_SETTINGS)), ("atr_split", ("iid", "gen")),
+                          ("corrupt", ("key", "value")), ("batch_order", ("shuffle", "fixed")),
                           ("device", ("auto", "cpu", "cuda", "cuda:N", "mps"))):
         value = getattr(c, name)
         yield value not in allowed and not (name == "device" and value.startswith("cuda:")), \
@@ -1138,7 +1083,10 @@ def config_errors(c):
         f"d_conv applies to {', '.join(widths)}, not to arch={c.arch}; leave it auto"
     yield c.d_conv not in ("auto", *widths.get(c.arch, "").split()), \
         f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {widths.get(c.arch, '').replace(' ', ', ')}"
-    for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values", "n_train", "n_eval"):
+    yield c.run_name in (".", "..") or os.path.basename(c.run_name) != c.run_name, \
+        f"run_name '{c.run_name}' must be one folder name inside out_dir, without '/' or '..'"
+    for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values", "n_train",
+                 "n_eval"):
         yield getattr(c, name) <= 0, f"{name} must be a positive integer, not {getattr(c, name)}"
     yield c.analyze_every < 0, f"analyze_every must be 0 (no checks) or a number of steps, not {c.analyze_every}"
     yield c.seed < 0, f"seed must be a non-negative integer, not {c.seed}"
@@ -1147,23 +1095,109 @@ def config_errors(c):
     yield not 0 <= c.warmup < 1, f"warmup is a fraction of the steps in [0, 1), not {c.warmup}"
     yield not 0 <= c.target_acc <= 1, f"target_acc must lie in [0, 1] (0 disables early stopping), not {c.target_acc}"
     yield not 0 < c.atr_heldout < 1, f"atr_heldout is a fraction in (0, 1), not {c.atr_heldout}"
-    ar = c.task == "ar"
-    yield ar and c.n_pairs > min(c.n_keys, c.n_values), (f"n_pairs={c.n_pairs} distinct pairs need at least that many "
-                                                        f"keys and values, but n_keys={c.n_keys} and n_values={c.n_values}")
-    yield ar and 2 * c.n_pairs + 5 > MAX_LEN, (f"n_pairs={c.n_pairs} makes documents of {2 * c.n_pairs + 5} tokens; the "
-                                               f"longest allowed is {MAX_LEN} (n_pairs <= {(MAX_LEN - 5) // 2})")
-    yield ar and min(c.n_keys, c.n_values) < 2, (f"n_keys={c.n_keys} and n_values={c.n_values} must both be at least 2 "
-                                                 f"(the analysis replaces a key or value by another one)")
-    yield c.arch == "h3" and c.d_model % 2, f"h3 splits d_model into heads of 2 channels; d_model={c.d_model} must be even"
-    yield ar and c.atr_split != "iid", f"atr_split={c.atr_split} is an ATR option; with task=ar use atr_split=iid"
+    ar, P, K, V = c.task == "ar", c.n_pairs, c.n_keys, c.n_values
+    yield ar and P > min(K, V), f"n_pairs={P} distinct pairs need as many keys and values, not n_keys={K}, n_values={V}"
+    yield ar and 2 * P + 5 > MAX_LEN, (f"n_pairs={P} makes documents of {2 * P + 5} tokens; the longest allowed is "
+                                       f"{MAX_LEN} (n_pairs <= {(MAX_LEN - 5) // 2})")
+    yield ar and min(K, V) < 2, f"n_keys={K} and n_values={V} must be at least 2 (the analysis swaps one for another)"
+    yield ar and K + V > 10 ** 7, f"n_keys={K} and n_values={V} make {K + V:,} tokens; at most 10,000,000"
+    yield c.arch == "h3" and c.d_model % 2, f"h3 splits d_model into heads of 2 channels; d_model={c.d_model} is odd"
+    for name in ("atr_setting", "atr_split") if ar else ("n_pairs", "n_keys", "n_values"):  # it would be ignored
+        yield getattr(c, name) != default[name], (f"{name}={getattr(c, name)} is an {'ATR' if ar else 'AR'} option; "
+                                                  f"with task={c.task} leave it out")
+    yield c.atr_heldout != default["atr_heldout"] and c.atr_split != "gen", (
+        f"atr_heldout={c.atr_heldout} applies to the generalisation split only; add --task atr --atr_split gen")
+    steps = c.steps or PAPER_STEPS.get(c.task, 0)
+    yield c.analyze_every not in (0, default["analyze_every"]) and c.analyze_every > steps, (
+        f"analyze_every={c.analyze_every} is more than the {steps} steps, so the mechanism would never be checked")
     yield c.batch_size > c.n_train, f"batch_size={c.batch_size} is larger than the training set (n_train={c.n_train})"
 
 
-def write_json(path, obj):
-    tmp = path + ".tmp"  # write then rename, so a crash never leaves a half-written file
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+def verdict_text(v, numbers=True):
+    """A verdict in words, with the attributions it rests on unless numbers=False."""
+    if v is None:
+        return "-"
+    kind, r = v["kind"], v["layer"]
+    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
+    if not numbers:
+        return name
+    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
+             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
+    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
+
+
+def format_mechanism(mech):
+    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
+    shade = " ░▒▓█"
+    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
+            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f}")
+    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
+    cells = {}
+    for g in mech["grid"]:
+        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
+    for (layer, site), row in cells.items():
+        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
+                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
+                                                         for k in POSITIONS))
+    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
+
+
+def analyze(model, task, cfg, results, log=print, intervene=True):
+    """results with the test split's accuracy, if any, and with intervene each split's grid (mechanism, _test)."""
+    if task.test is not None:
+        ev = evaluate(model, task.test)
+        results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
+        log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
+    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
+        if split is not None:
+            results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
+            log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
+    return results
+
+
+def watch(model, task, cfg):
+    """The mechanism as it forms, for the history (at the first evaluation from each multiple of analyze_every):
+    the verdict from only the cells it reads (at 2 layers 6 cells, 8 forwards; the whole grid takes 52-72), the gap
+    p_clean - p_corrupt (does the key matter, even where no ratio is) and the accuracy on n_eval training documents."""
+    n = len(model.blocks)
+    cells = [("block_output", l, "query") for l in range(n)]
+    cells += [("block_input", l, k) for l in range(1, n) for k in (*ROUTE, "query")]
+    mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=cells)
+    return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
+            "verdict": mech["verdict"]}
+
+
+def save_file(path, obj):
+    """obj into path (JSON, or torch.save for .pt) by a temporary file and a rename: a failed write loses nothing."""
+    tmp = path + ".tmp"
+    try:
+        if path.endswith(".json"):
+            with open(tmp, "w") as f:
+                json.dump(obj, f, indent=1)
+        else:
+            torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"cannot write {path} ({getattr(e, 'strerror', None) or type(e).__name__}); what the "
+                          f"folder held before is kept") from None
+
+
+def load_file(path):
+    """The dict a run folder's file holds (JSON, or a .pt checkpoint). What this tool did not write, or cannot read
+    (cut short, garbage, null, a folder, a bare state_dict), is one ConfigError sentence, and stays as it is."""
+    try:
+        if path.endswith(".json"):
+            with open(path) as f:
+                obj = json.load(f)
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # json and torch raise many kinds
+        obj = e
+    if not isinstance(obj, dict) or path.endswith(".pt") and not isinstance(obj.get("config"), dict):
+        raise ConfigError(f"{path} is not a file this tool wrote or can read ({type(obj).__name__}); move it away")
+    return obj
 
 
 def fmt_time(s):
@@ -1177,91 +1211,142 @@ def default_run_name(cfg):
     return f"{cfg.task}{extra}_{cfg.arch}_d{cfg.d_model}_l{cfg.n_layers}_lr{cfg.lr:g}_s{cfg.seed}"
 
 
-FINISHED = ("completed", "target reached", "nonfinite")  # a results.json status that will not change
-
-
 def run_settings(config):
-    """What a run computes: its config without out_dir, device and compile (they move only the float order);
-    a setting missing from an older folder takes its default."""
+    """What a run computes: its config less out_dir, device, compile; an older folder's missing setting: default."""
     return {f.name: config.get(f.name, f.default) for f in fields(Config)
             if f.name not in ("out_dir", "device", "compile")}
 
 
-class RunFolder:
-    """out_dir/run_name: config.json, results.json and model.pt (a checkpoint every eval_every steps, the weights
-    alone at the end). A folder that holds a run of other settings is refused, and nothing in it changes."""
+def same_settings(config, cfg, where):
+    """Refuse (ConfigError) a saved config, kept in `where`, that differs from cfg in a setting that changes the run."""
+    old, new = run_settings(config), run_settings(asdict(cfg))
+    k = next((k for k in new if old.get(k) != new[k]), None)
+    if k is not None:
+        raise ConfigError(f"{where} holds a run with {k}={old[k]}, not {k}={new[k]}; give another --run_name or "
+                          f"--out_dir, or move that folder away")
 
-    def __init__(self, cfg):
-        self.cfg, self.dir = cfg, os.path.join(cfg.out_dir, cfg.run_name)
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"cannot create the run folder {self.dir} ({e.strerror}); give another "
-                              f"--out_dir") from None
-        self.ckpt = None  # the checkpoint of an unfinished run of the same settings, to continue from
-        if os.path.isfile(self.path("config.json")):
-            old, new = run_settings(json.load(open(self.path("config.json")))), run_settings(asdict(cfg))
-            k = next((k for k in {**old, **new} if old.get(k) != new.get(k)), None)
-            if k is not None:
-                raise ConfigError(f"{self.dir} holds a run with {k}={old.get(k)}, not {k}={new.get(k)}; give "
-                                  f"another --run_name or --out_dir, or delete that folder")
-            done = os.path.isfile(self.path("results.json")) and \
-                json.load(open(self.path("results.json"))).get("status") in FINISHED
-            if not done and os.path.isfile(self.path("model.pt")):
-                ckpt = torch.load(self.path("model.pt"), map_location="cpu", weights_only=True)
-                self.ckpt = ckpt if "optimizer" in ckpt else None
-        write_json(self.path("config.json"), asdict(cfg))
+
+class Run:
+    """The bookkeeping of a training run, train's seam: out_dir/run_name holds config.json, results.json and
+    model.pt (a checkpoint at every evaluation, the final weights at the end). A finished run is returned as it
+    is; one stopped by a NaN says how to go on; an unfinished one continues bit for bit."""
+
+    def __init__(self, cfg, log=print):
+        cfg.check()  # a Config changed after it was made
+        self.cfg, self.log, self.dir, self.t0 = cfg, log, os.path.join(cfg.out_dir, cfg.run_name), time.time()
+        self.ckpt, self.ev = None, None
+        log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
+        if os.path.exists(self.path("config.json")):
+            same_settings(load_file(self.path("config.json")), cfg, self.dir)
+        self.results = load_file(self.path("results.json")) if os.path.exists(self.path("results.json")) else {}
+        self.finished = (status := self.results.get("status")) in ("completed", "target reached")
+        if status == "nonfinite":
+            raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results['steps_done']:,} "
+                                f"(lr={cfg.lr:g}); train another --lr, or move the folder away to start over")
+        if self.finished:
+            log(f"{self.dir} finished ({status}) at step {self.results['steps_done']:,}; these are its results (move "
+                f"the folder away to train it again)")
+        elif os.path.exists(self.path("model.pt")):
+            self.ckpt = load_file(self.path("model.pt"))
+            same_settings(self.ckpt["config"], cfg, self.path("model.pt"))
+            if "optimizer" not in self.ckpt:
+                raise ConfigError(f"{self.path('model.pt')} holds final weights but results.json does not say the run "
+                                  f"finished; move the folder away to train again")
 
     def path(self, name):
         return os.path.join(self.dir, name)
 
-    def restore(self, state, log=print):
-        """Load the checkpoint into state (name -> object) and return its results; None without one."""
-        if self.ckpt is None:
-            return None
-        for name, obj in state.items():
-            obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
-        log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {self.cfg.steps:,}")
-        return self.ckpt["results"]
+    def begin(self, task, model, optimizer, scheduler, batches):
+        """Before the loop: the folder and config.json, the checkpoint restored if there is one; the first step."""
+        cfg, n_params, device = self.cfg, sum(p.numel() for p in model.parameters()), next(model.parameters()).device
+        self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
+                 f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
+        self.log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run folder {self.dir} ({e.strerror})") from None
+        save_file(self.path("config.json"), asdict(cfg))  # only now: the task and the model fit in memory
+        self.task, self.model = task, model
+        self.state = dict(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
+        self.results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
+                        "history": [], "train_seconds": 0.0}
+        if self.ckpt is not None:
+            for name, obj in self.state.items():
+                obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
+            self.log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {cfg.steps:,}")
+            self.results = self.ckpt["results"]
+        h, self.t_last = self.results["history"], time.time()
+        return cfg.steps + 1 if h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"] + 1
 
-    def checkpoint(self, step, state, results):
-        """model.pt with all that the loop carries (state: name -> object), and results.json."""
-        saved = {name: obj.state_dict() for name, obj in state.items() if name != "batches"}
-        torch.save({"config": asdict(self.cfg), "vocab_size": state["model"].embed.num_embeddings, "step": step,
-                    **saved, **state["batches"].state_dict(), "results": results}, self.path("model.pt"))
-        write_json(self.path("results.json"), results)
+    def evaluated(self, step, loss_sum, ev):
+        """At each evaluation: the mean loss since the last (not finite: the run stops, NonFiniteLoss), the history
+        with a check of the mechanism every analyze_every steps (watch), the progress line, a checkpoint."""
+        cfg, r = self.cfg, self.results
+        n = step - r["steps_done"]  # steps since the last evaluation
+        dt, loss = time.time() - self.t_last, (loss_sum / n).item()
+        r["train_seconds"] += dt
+        if not math.isfinite(loss):
+            self.save("nonfinite")
+            raise NonFiniteLoss(f"the training loss became {loss} between steps {step - n + 1} and {step} "
+                                f"(lr={cfg.lr:g}); {self.dir} keeps the last good checkpoint")
+        r["history"].append(h := {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer":
+                                  round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
+        if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
+            h.update(watch(self.model, self.task, cfg))
+        r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
+                 best_acc=max(ev["acc"], r.get("best_acc", 0.0)))
+        watched = f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}" if "verdict" in h else ""
+        self.log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f}"
+                 f" | {1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}{watched}")
+        saved = {name: obj.state_dict() for name, obj in self.state.items() if name != "batches"}
+        self.save(None, step=step, **saved, **self.state["batches"].state_dict(), results=r)
+        self.ev, self.t_last = ev, time.time()
 
-    def save(self, results, status=None, model=None):
-        """results.json; with a status, the run's end; with a model, model.pt as its final weights."""
+    def end(self):
+        """After the loop: the final evaluation, wrong examples and weights; the test split and the grid."""
+        cfg, r, model, task = self.cfg, self.results, self.model, self.task
+        ev = self.ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
+        r["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
+        self.save("target reached" if 0 < cfg.target_acc <= ev["acc"] else "completed", step=r["steps_done"],
+                  model=model.state_dict())
+        self.log(f"done ({r['status']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
+                 f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
+        for line in r["wrong_examples"]:
+            self.log("  wrong: " + line)
+        save_file(self.path("results.json"), analyze(model, task, cfg, r, self.log, cfg.analyze))  # test split, grid
+        return r
+
+    def save(self, status, **model_pt):
+        """results.json, with a status at the run's end; with model_pt, first model.pt (a checkpoint, or weights)."""
+        r = self.results
         if status:
-            results.update(status=status, train_seconds=round(results["train_seconds"], 2),
-                           ms_per_step=round(1000 * results["train_seconds"] / max(1, results["steps_done"]), 3))
-        if model is not None:
-            torch.save({"config": asdict(self.cfg), "vocab_size": model.embed.num_embeddings,
-                        "step": results["steps_done"], "model": model.state_dict()}, self.path("model.pt"))
-        write_json(self.path("results.json"), results)
+            r.update(status=status, train_seconds=round(r["train_seconds"], 2),
+                     ms_per_step=round(1000 * r["train_seconds"] / max(1, r["steps_done"]), 3))
+        if model_pt:
+            save_file(self.path("model.pt"), {"config": asdict(self.cfg), "vocab_size":
+                                              self.model.embed.num_embeddings, **model_pt})
+        save_file(self.path("results.json"), r)
 
 
-# Settings that do not change a trained model: given with --load they replace the saved ones. Any other
-# setting given with --load must match the checkpoint's.
-EVAL_ONLY_FIELDS = ("device", "compile", "n_eval", "out_dir", "analyze", "corrupt")
+EVAL_ONLY_FIELDS = ("device", "compile", "n_eval", "out_dir", "analyze", "corrupt")  # --load may change these
 
 
 def load_run(run_dir, **expect):
-    """(cfg, model) of a run folder. expect: settings given with it (EVAL_ONLY_FIELDS replace the saved ones);
-    a mismatch, a bad setting, a missing or a non-fitting checkpoint raises ConfigError."""
+    """(cfg, model) of a run folder; expect: settings given with it, which must match but EVAL_ONLY_FIELDS."""
     path = os.path.join(run_dir, "model.pt")
     if not os.path.isfile(path):
         raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = load_file(path)
     try:
         cfg = Config(**ckpt["config"])
     except TypeError as e:
         raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
+    if os.path.exists(os.path.join(run_dir, "config.json")):  # a model.pt brought in from another run
+        same_settings(load_file(os.path.join(run_dir, "config.json")), cfg, os.path.join(run_dir, "config.json"))
     k = next((k for k, v in expect.items() if k not in EVAL_ONLY_FIELDS and getattr(cfg, k) != v), None)
     if k is not None:
-        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={expect[k]}; "
-                          f"drop --{k} or load a run that matches")
+        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={expect[k]}; drop --{k}")
     cfg = replace(cfg, **{k: v for k, v in expect.items() if k in EVAL_ONLY_FIELDS})
     model = build_model(cfg, ckpt["vocab_size"])
     try:
@@ -1294,8 +1379,7 @@ def paper_lrs(task, arch):
 
 
 def paper_acc(cfg, test=False):
-    """The paper's accuracy (%) for cfg (test=True: the generalisation split's test documents), or None where the
-    paper has no such model; the training length is not checked."""
+    """The paper's accuracy (%) for cfg (test: the generalisation split's test documents), or None if it has none."""
     if (cfg.n_layers, cfg.d_conv, cfg.pos_emb, cfg.batch_size, cfg.n_train) != (2, "auto", "auto", 32, 100_032):
         return None
     if cfg.task == "ar" and (cfg.n_pairs, cfg.n_keys, cfg.n_values) == (16, 4096, 4096) and not test:
@@ -1304,36 +1388,24 @@ def paper_acc(cfg, test=False):
         return dict(zip((16, 64, 256), PAPER_ATR_EASY.get(cfg.arch, ()))).get(cfg.d_model)
     if (cfg.task, cfg.atr_setting, cfg.atr_split, cfg.atr_heldout, cfg.d_model) == ("atr", "easy", "gen", 0.2, 64):
         return PAPER_ATR_GEN.get(cfg.arch, (None, None))[test]
-    return None
-
-
-def run_or_load(cfg, log=print):
-    """cfg's results: a finished run of the same settings in its folder, else trained now (NaN: finished)."""
-    path = os.path.join(cfg.out_dir, cfg.run_name, "results.json")
-    old = json.load(open(path)) if os.path.isfile(path) else {}
-    if old.get("status") in FINISHED and run_settings(old.get("config", {})) == run_settings(asdict(cfg)):
-        return old
-    try:
-        return train(cfg, log=log)
-    except NonFiniteLoss as e:
-        log(f"{cfg.run_name}: {e}")
-        return json.load(open(path))
 
 
 def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker processes
-    return run_or_load(cfg, log=lambda s: None)
+    """cfg's results: train (which returns a finished run as it is); a run stopped by a NaN is a result too."""
+    try:
+        return train(cfg, log=lambda s: None)
+    except NonFiniteLoss:
+        return load_file(os.path.join(cfg.out_dir, cfg.run_name, "results.json"))
 
 
 def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print, seeds=None, shard=None):
-    """Train base at every width x rate x seed (finished runs are reused), keep the best rate per width and
-    write summary.md / summary.json to base.out_dir."""
+    """run_sweeps of base alone, summarised in base.out_dir."""
     return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log,
                       seeds, shard)
 
 
 def run_all(cfgs, jobs=1, log=print):
-    """run_or_load every config; with jobs > 1 in that many fresh processes at once (one a run), each with an
-    equal share of the CPU threads."""
+    """_quiet_run every config; with jobs > 1 in that many processes, each with its share of the CPU threads."""
     def done(i, cfg, r):
         log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
         return r
@@ -1346,8 +1418,7 @@ def run_all(cfgs, jobs=1, log=print):
 
 
 def best_rows(label, cfgs, results, widths):
-    """Summary rows of one sweep: per width the best rate on the mean over seeds, with its seed_stats, the
-    paper's accuracy, the verdict of its best seed, and every rate's stats."""
+    """Per width: the best rate on the mean over seeds, its seed_stats, the paper's %, its best seed's verdict."""
     rows = []
     for d in widths:
         by_lr = {}
@@ -1396,8 +1467,7 @@ def md_table(header, rows):
 
 
 def save_summary(out_dir, title, rows, log=print):
-    """summary.json and summary.md in out_dir (also logged): the best rate per width, each rate's spread over
-    seeds where there are several, and the generalisation split's dev -> test."""
+    """summary.json and summary.md (also logged): best rate per width, every rate over seeds, dev -> test."""
     gen = [r for r in rows if "test_acc" in r]
     pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
     spread = lambda s: (pm(s), f"{s['acc_min']:.2f}–{s['acc_max']:.2f}", f"{s['successes']}/{s['n']}")
@@ -1416,7 +1486,7 @@ def save_summary(out_dir, title, rows, log=print):
          for r in gen])] if gen else []
     summary = {"title": title, "rows": rows}
     os.makedirs(out_dir, exist_ok=True)
-    write_json(os.path.join(out_dir, "summary.json"), summary)
+    save_file(os.path.join(out_dir, "summary.json"), summary)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log("\n".join(lines))
@@ -1445,13 +1515,13 @@ def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None
 
 
 def presets():
-    """The paper's experiments as lists of (label, settings), swept over the widths, rates and seeds given, else
-    the paper's (one seed; the preset seeds: three)."""
+    """The paper's experiments as lists of (label, settings), each swept as run_preset says."""
     archs = list(ARCHS)
     return {
         "ar": [(a, dict(task="ar", arch=a)) for a in archs],
         **{f"atr_{s}": [(a, dict(task="atr", arch=a, atr_setting=s)) for a in archs] for s in ATR_SETTINGS},
         "mamba_conv": [(f"mamba_c{w}", dict(task="ar", arch="mamba", d_conv=w)) for w in "01234"],
+        "atr_mamba_conv": [(f"mamba_c{w}", dict(task="atr", arch="mamba", d_conv=w)) for w in "01234"],
         "based_conv": [(f"based_c{w}", dict(task="ar", arch="based", d_conv=w)) for w in ("1", "2", "3", "4", "long")],
         "layers": [(f"{a}_{n}l", dict(task="ar", arch=a, n_layers=n)) for a in archs for n in (1, 3)],
         "pos_emb": [(f"{a}_pos_{p}", dict(task="ar", arch=a, pos_emb=p))  # App. D.1: the default flipped
@@ -1462,8 +1532,8 @@ def presets():
 
 
 def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None, shard=None):
-    """Every sweep of a preset, each into out_dir/<label>/. args: the user's settings, under the preset's own;
-    those left out resolve per entry (an ATR entry gets ATR's schedule)."""
+    """Every sweep of a preset, each into out_dir/<label>/, the user's args under the preset's own settings, over
+    the widths, rates and seeds given, else the paper's (one seed; the preset seeds: three)."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
@@ -1475,13 +1545,11 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None,
 
 
 def plot(folder, log=print):
-    """PNGs of a sweep or preset folder, like the paper's figures: accuracy by width per entry (the paper's
-    dashed), and the last layer's block_input attribution at value / key / query of each entry's best run
-    (dev and test on the generalisation split); of a run folder, plot_history. Needs matplotlib (only here)."""
+    """PNGs of a sweep or preset folder, like the paper's figures: accuracy by width (the paper's dashed), the last
+    layer's block_input attribution of each entry's best run; of a run folder, plot_history. Needs matplotlib."""
     path, run = (os.path.join(folder, name) for name in ("summary.json", "results.json"))
     if not os.path.isfile(path) and not os.path.isfile(run):
-        raise ConfigError(f"no summary.json or results.json in {folder}; --plot takes a folder written by --sweep, "
-                          f"--preset or a training run")
+        raise ConfigError(f"no summary.json or results.json in {folder}; --plot takes a sweep's or a run's folder")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1489,8 +1557,8 @@ def plot(folder, log=print):
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed; pip install matplotlib") from None
     if not os.path.isfile(path):
-        return plot_history(folder, json.load(open(run)), plt, log)
-    rows = json.load(open(path))["rows"]
+        return plot_history(folder, load_file(run), plt, log)
+    rows = load_file(path)["rows"]
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
         groups.setdefault(r["label"], []).append(r)
@@ -1528,8 +1596,7 @@ def save_figures(folder, figures, plt, log=print):
 
 
 def plot_history(folder, results, plt, log=print):
-    """formation.png of a run trained with analyze_every: accuracy (evaluation, training documents), the gap and
-    the attributions each check's verdict reads (block_input of its layer; a layer-0 retrieval: the query)."""
+    """formation.png of a run trained with analyze_every: accuracies, the gap and the attributions each verdict read."""
     watched = [h for h in results["history"] if "verdict" in h]
     if not watched:
         raise ConfigError(f"{folder} holds no checks of the mechanism; train it with --analyze_every N (N > 0)")
@@ -1538,7 +1605,7 @@ def plot_history(folder, results, plt, log=print):
     ax.plot([h["step"] for h in results["history"]], [h["acc"] for h in results["history"]], "k-", label="accuracy")
     ax.plot(steps, [h["train_acc"] for h in watched], "k--", label="accuracy, training documents")
     ax.plot(steps, [h["gap"] for h in watched], "k:", label="p_clean - p_corrupt")
-    for k in (*READS, "query"):
+    for k in (*ROUTE, "query"):
         ax.plot(steps, np.array([h["verdict"]["reads"].get(k) for h in watched], float), "o-", ms=3, label=k)
     final = verdict_text((results.get("mechanism") or watched[-1])["verdict"], numbers=False)
     ax.set(xlabel="step", ylabel="accuracy, attribution", title=f"{results['config']['arch']}: {final} at the end")
@@ -1547,18 +1614,16 @@ def plot_history(folder, results, plt, log=print):
 
 
 def bench_steps(cfg, n=20, log=print):
-    """ms a training step of every architecture at cfg's sizes (median of n after a first) and the ratio to attention's;
-    with compile also compiled (3 alternating rounds, fastest kept); with analyze_every the cost of one watch."""
+    """ms a training step of every architecture at cfg's sizes (median of n), compiled too (3 rounds, fastest kept)."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
     watched = make_task(replace(cfg, n_train=cfg.n_eval)) if cfg.analyze_every else None  # what watch reads
-    log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}, "
-        f"median of {n} steps")
+    log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}, {n} steps")
     times = {}
     for arch in ARCHS:
         model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
-        optimizer, fns = adamw(model, 1e-4, device), [answer_loss] + [step_loss(True, device)] * cfg.compile
+        optimizer, fns = adamw(model, 1e-4), [answer_loss] + [step_loss(True, device)] * cfg.compile
         t = [[kernels.timeit(lambda: train_step(model, optimizer, *batch, fn), device, n) for fn in fns]
              for _ in range(3 if cfg.compile else 1)]  # t[round][eager, compiled] = (ms, first call s)
         times[arch] = min(r[0][0] for r in t)
@@ -1630,14 +1695,17 @@ def evaluate_run(run_dir, args, log=print):
     model.to(setup(cfg))
     task = make_task(cfg, train=False)
     ev = evaluate(model, task.eval)
-    log(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f} "
-        f"on {len(task.eval)} documents")
+    log(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
     for line in wrong_examples(task, task.eval, ev["preds"]):
         log("  wrong: " + line)
+    path = os.path.join(run_dir, "results.json")
+    results = load_file(path) if os.path.exists(path) else {}  # read first: a bad file stops before the analysis
     found = analyze(model, task, cfg, {}, log, intervene=args.get("analyze", False))
-    if args.get("analyze", False):
-        path = os.path.join(run_dir, "results.json")
-        write_json(path, {**(json.load(open(path)) if os.path.isfile(path) else {}), **found})
+    if args.get("analyze", False):  # a grid of other analysis settings is kept beside the training's, not over it
+        if any(results.get("config", {}).get(k, getattr(cfg, k)) != getattr(cfg, k) for k in ("corrupt", "n_eval")):
+            again = dict(corrupt=cfg.corrupt, n_eval=cfg.n_eval, **found)
+            found = {"reanalyses": results.get("reanalyses", []) + [again]}
+        save_file(path, {**results, **found})
 
 
 def main(argv=None):
@@ -1647,6 +1715,9 @@ def main(argv=None):
     try:
         if grid.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
+        if len(flags) > 1 or ("plot" in flags and args):  # one would be ignored
+            raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one" if len(flags) > 1 else
+                              f"--plot takes a folder and nothing else, not --{' --'.join(args)}")
         if flags.get("bench"):
             bench_steps(Config(**args))
         elif "plot" in flags:
@@ -1664,6 +1735,12 @@ def main(argv=None):
     except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError
+        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+            raise
+        print(f"error: the run does not fit in memory (a {type(e).__name__} while allocating); give a smaller "
+              f"d_model, n_keys, n_values or n_train", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; the run folder keeps the last checkpoint, and the same command continues from it",
               file=sys.stderr)

@@ -118,8 +118,8 @@ def tree_yield_and_parents(root):
 
 
 def atr_grammar(cfg):
-    max_rhs, n_terminals = m.ATR_SETTINGS[cfg.atr_setting]
-    return m.Grammar(m.np.random.default_rng([cfg.seed, 2]), n_terminals, max_rhs)
+    max_body, n_terminals = m.ATR_SETTINGS[cfg.atr_setting]
+    return m.Grammar(m.np.random.default_rng([cfg.seed, 2]), n_terminals, max_body)
 
 
 @pytest.mark.parametrize("setting", ["easy", "medium", "8192"])
@@ -158,6 +158,13 @@ def test_atr_tree_statistics_easy():
     dist = (task.train.pos["value"] - task.train.pos["key"]).float().mean().item()
     assert 1.5 < dist < 4.0, f"mean child->parent distance {dist} far from the paper's ~2.4"
     assert 5 < (task.train.lengths - 5).float().mean() < 25
+
+
+def test_a_rejection_loop_that_never_accepts_ends_in_one_sentence(monkeypatch):
+    grammar = atr_grammar(small_atr())
+    monkeypatch.setattr(grammar, "sample", lambda rng, max_tokens: None)  # every sentence too long
+    with pytest.raises(m.ConfigError, match="100,000 sentences in a row had no query allowed"):
+        m.make_atr_split(grammar, 1, "s")
 
 
 def test_atr_generalisation_split():
@@ -555,6 +562,28 @@ def test_mechanism_batched_equals_one_document_at_a_time(task_name):
         assert cell["p_patched"] == pytest.approx(torch.stack(ps).mean().item(), rel=1e-5, abs=1e-7)
 
 
+def test_the_reuse_recipe_is_complete():
+    """The method section's comment names what to copy to reuse the method: exactly those definitions, in a
+    fresh namespace with torch only, give the same grid on a model with a short convolution."""
+    import inspect
+    recipe = re.search(r"To reuse the method, copy (.*?) \(for conv_output\)", open(m.__file__).read(), re.S).group(1)
+    names = re.findall(r"\w+", recipe.replace("#", " ").replace(" and ", " "))
+    assert {"mechanism", "verdict", "interchange", "patch", "hooks"} <= set(names)
+    ns = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "time": __import__("time"), "math": math,
+          "contextmanager": __import__("contextlib").contextmanager}
+    for name in names:
+        obj = getattr(m, name)
+        if inspect.isfunction(obj):
+            exec(inspect.getsource(obj), ns)
+        else:
+            ns[name] = obj  # a constant, or ShortConv (its class is the mixers', needed to find conv_output)
+    cfg, model = tiny_model("based")
+    task = m.make_task(cfg, train=False)
+    theirs, ours = ns["mechanism"](model, task, "key", seed=3), m.mechanism(model, task, "key", seed=3)
+    assert [g["p_patched"] for g in theirs["grid"]] == [g["p_patched"] for g in ours["grid"]]
+    assert any(g["site"] == "conv_output" for g in theirs["grid"]) and theirs["verdict"] == ours["verdict"]
+
+
 def test_corruption_draws_another_token_of_the_same_class():
     for cfg in (small_ar(n_eval=300), small_atr(n_eval=300)):
         task = m.make_task(cfg, train=False)
@@ -637,6 +666,21 @@ def test_verdict_edge_cases(cells, p_corrupt, want):
     (["--sweep", "--jobs", "0"], ["--jobs", "at least 1", "0"]),
     (["--sweep", "--widths", "16,0"], ["d_model", "0"]),
     (["--analyze_every", "-250"], ["analyze_every must be 0 (no checks) or a number of steps, not -250"]),
+    # settings that would be silently ignored, a folder outside out_dir, loops that never end, sizes that cannot fit
+    (["--run_name", "../x"], ["run_name '../x'", "inside out_dir"]),
+    (["--run_name", "/tmp/x"], ["run_name '/tmp/x'"]),
+    (["--run_name", ".."], ["run_name '..'"]),
+    (["--atr_heldout", "0.3"], ["atr_heldout=0.3", "generalisation split"]),
+    (["--task", "atr", "--atr_heldout", "0.3"], ["atr_heldout=0.3", "--atr_split gen"]),
+    (["--task", "atr", "--n_keys", "100"], ["n_keys=100 is an AR option", "task=atr"]),
+    (["--atr_setting", "medium"], ["atr_setting=medium is an ATR option", "task=ar"]),
+    (["--steps", "100", "--analyze_every", "500"], ["analyze_every=500", "100 steps", "never"]),
+    (["--sweep", "--load", "x"], ["--sweep and --load do not go together"]),
+    (["--plot", "x", "--arch", "nope"], ["--plot takes a folder and nothing else, not --arch"]),
+    (["--task", "atr", "--atr_split", "gen", "--atr_heldout", "0.0001"], ["atr_heldout=0.0001", "0 of the 400"]),
+    (["--task", "atr", "--atr_split", "gen", "--atr_heldout", "0.9999"], ["atr_heldout=0.9999", "400 of the 400"]),
+    (["--n_keys", "300000000"], ["n_keys=300000000", "at most 10,000,000"]),
+    (["--d_model", "1000000000", "--n_train", "64", "--n_eval", "8"], ["does not fit in memory", "d_model"]),
 ])
 def test_cli_rejects_bad_values(argv, words, capsys, tmp_path):
     assert m.main(argv + ["--out_dir", str(tmp_path)]) == 2
@@ -645,6 +689,25 @@ def test_cli_rejects_bad_values(argv, words, capsys, tmp_path):
     for w in words:
         assert w in err
     assert not os.listdir(tmp_path), "nothing is written for a rejected config"
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(d_model="16"), "d_model must be an integer, not '16'"), (dict(lr="1e-3"), "lr must be a number, not '1e-3'"),
+    (dict(n_pairs=2.5), "n_pairs must be an integer, not 2.5"), (dict(steps=20.7), "steps must be an integer, not 20.7"),
+    (dict(compile=1), "compile must be True or False, not 1"), (dict(seed=True), "seed must be an integer, not True"),
+    (dict(arch="mamba", d_conv=7), "d_conv=7 is not a width for mamba"),
+])
+def test_config_checks_types_in_one_sentence(kw, words):
+    with pytest.raises(m.ConfigError, match=re.escape(words)):
+        m.Config(**kw)
+
+
+def test_config_takes_numpy_numbers_and_an_int_width():
+    cfg = m.Config(arch="mamba", d_conv=3, d_model=m.np.int64(32), lr=m.np.float32(0.5))
+    assert (cfg.d_conv, type(cfg.d_model), type(cfg.lr)) == ("3", int, float)
+    cfg.arch = "unregistered"  # changed after it was checked: train refuses it in one sentence
+    with pytest.raises(m.ConfigError, match="unknown arch 'unregistered'"):
+        m.train(cfg)
 
 
 def test_cli_bad_type_exits_2_without_traceback():
@@ -677,7 +740,9 @@ def test_cli_end_to_end_and_load_round_trip(tmp_path, capsys):
     again = json.loads((run / "results.json").read_text())
     assert again["mechanism"]["grid"] == res["mechanism"]["grid"] and again["history"] == res["history"]
     assert m.main(["--load", str(run), "--corrupt", "value", "--analyze"]) == 0  # an analysis setting, not a training one
-    assert json.loads((run / "results.json").read_text())["mechanism"]["corrupt"] == "value"
+    kept = json.loads((run / "results.json").read_text())  # the training's grid stays; the other one goes beside it
+    assert kept["mechanism"] == again["mechanism"] and kept["config"]["corrupt"] == "key"
+    assert [(r["corrupt"], r["n_eval"], r["mechanism"]["corrupt"]) for r in kept["reanalyses"]] == [("value", 50, "value")]
     assert "value corrupted" in capsys.readouterr().out
     cfg2, model = m.load_run(str(run))
     assert m.evaluate(model, m.make_task(cfg2, train=False).eval)["acc"] == res["final_acc"]
@@ -698,8 +763,9 @@ def test_cli_load_refuses_mismatch(tmp_path, capsys):
     assert m.main(["--load", str(tmp_path / "nothing")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     ckpt = torch.load(os.path.join(run, "model.pt"), weights_only=True)
-    ckpt["config"]["d_model"] = 24  # a checkpoint whose weights do not fit its config
+    ckpt["config"]["d_model"] = 24  # a checkpoint whose weights do not fit its config (config.json says the same)
     torch.save(ckpt, os.path.join(run, "model.pt"))
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(ckpt["config"]))
     assert m.main(["--load", run]) == 2
     err = capsys.readouterr().err.strip()
     assert "does not fit" in err and "d_model=24" in err and "\n" not in err
@@ -728,7 +794,7 @@ def test_run_folders_written_before_a_setting_existed_take_its_default(tmp_path)
     assert loaded.batch_order == "shuffle" and loaded.run_name == cfg.run_name
     assert m.run_settings(old) == m.run_settings(m.asdict(cfg))  # so a sweep reuses it, and a rerun is not refused
     assert m.run_settings(old) != m.run_settings(m.asdict(m.replace(cfg, batch_order="fixed")))
-    assert m.RunFolder(cfg).ckpt is None  # finished: nothing to resume, and no refusal
+    assert m.Run(cfg, log=lambda s: None).finished  # finished: nothing to resume, and no refusal
 
 
 def test_batch_order_is_a_run_setting(tmp_path):
@@ -738,7 +804,7 @@ def test_batch_order_is_a_run_setting(tmp_path):
     a, b = (m.train(c, log=lambda s: None) for c in (cfg, fixed))
     assert [h["loss"] for h in a["history"]] != [h["loss"] for h in b["history"]]
     with pytest.raises(m.ConfigError, match="batch_order=shuffle, not batch_order=fixed"):
-        m.RunFolder(m.replace(fixed, run_name=cfg.run_name))  # a folder of the other order is refused
+        m.Run(m.replace(fixed, run_name=cfg.run_name), log=lambda s: None)  # a folder of the other order is refused
     with pytest.raises(m.ConfigError, match="unknown batch_order 'random'; allowed: shuffle, fixed"):
         m.replace(cfg, batch_order="random")
 
@@ -750,6 +816,96 @@ def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
     assert err.startswith("error: the training loss became") and "lr=1e+30" in err and "\n" not in err
     res = json.loads((tmp_path / "nan" / "results.json").read_text())
     assert res["status"] == "nonfinite" and (tmp_path / "nan" / "config.json").exists()
+
+
+def folder_bytes(run):
+    return {p.name: p.read_bytes() for p in sorted(run.iterdir())}
+
+
+def cut_run(tmp_path, monkeypatch, name="cut", extra=()):
+    """A run interrupted after its checkpoint at step 10 of 30: config.json, results.json, model.pt."""
+    argv = TINY + ["--out_dir", str(tmp_path), "--run_name", name, "--no-analyze", *extra]
+    fail_from_call(monkeypatch, 15, "interrupt")
+    assert m.main(argv) == 130
+    monkeypatch.undo()
+    return argv, tmp_path / name
+
+
+def test_a_finished_run_is_returned_not_trained_again(tmp_path, capsys):
+    argv = TINY + ["--out_dir", str(tmp_path), "--run_name", "done", "--no-analyze"]
+    assert m.main(argv) == 0
+    before = folder_bytes(tmp_path / "done")
+    capsys.readouterr()
+    assert m.main(argv) == 0
+    assert "finished (completed) at step 30; these are its results" in capsys.readouterr().out
+    assert folder_bytes(tmp_path / "done") == before
+
+
+def test_a_nan_stopped_run_says_how_to_go_on_and_keeps_its_files(tmp_path, capsys):
+    argv = TINY + ["--lr", "1e30", "--out_dir", str(tmp_path), "--run_name", "nan"]
+    assert m.main(argv) == 1
+    before = folder_bytes(tmp_path / "nan")
+    capsys.readouterr()
+    assert m.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stopped on a non-finite loss" in err and "train another --lr" in err and err.count("\n") == 1
+    assert folder_bytes(tmp_path / "nan") == before
+
+
+def test_a_checkpoint_write_that_fails_half_way_keeps_the_last_good_one(tmp_path, capsys, monkeypatch):
+    real, calls = torch.save, []
+
+    def full_disk(obj, path):  # the second checkpoint: half a file, then the disk is full
+        calls.append(path)
+        if len(calls) == 2:
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 half")
+            raise OSError(28, "No space left on device")
+        return real(obj, path)
+    monkeypatch.setattr(torch, "save", full_disk)
+    argv = TINY + ["--out_dir", str(tmp_path), "--run_name", "full", "--no-analyze"]
+    assert m.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "model.pt (No space left on device)" in err and err.count("\n") == 1
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "full")) == ["config.json", "model.pt", "results.json"]  # no .tmp left
+    assert torch.load(tmp_path / "full" / "model.pt", weights_only=True)["step"] == 10
+    assert m.main(argv) == 0
+    assert "from its checkpoint at step 10 of 30" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("model.pt", lambda p: p.write_bytes(p.read_bytes()[:1000])),                                   # cut short
+    ("model.pt", lambda p: torch.save(torch.load(p, weights_only=True)["model"], p)),             # a bare state_dict
+    ("model.pt", lambda p: p.write_text("not a checkpoint")),
+    ("results.json", lambda p: p.write_text("{garbage")), ("results.json", lambda p: p.write_text("null")),
+    ("results.json", lambda p: p.write_text(p.read_text()[:50])),
+    ("config.json", lambda p: p.write_text("[1, 2]")),
+    ("config.json", lambda p: (p.unlink(), p.mkdir())),                                             # a folder
+])
+def test_a_damaged_or_foreign_file_is_refused_and_nothing_is_written(name, damage, tmp_path, capsys, monkeypatch):
+    argv, run = cut_run(tmp_path, monkeypatch)
+    damage(run / name)
+    before = {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir()}
+    capsys.readouterr()
+    for args in (argv, ["--load", str(run), "--analyze"]):
+        assert m.main(args) == 2
+        err = capsys.readouterr().err
+        assert str(run / name) in err and "Traceback" not in err and err.count("\n") == 1, err
+        assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path, capsys, monkeypatch):
+    _, other = cut_run(tmp_path, monkeypatch, "other", ["--lr", "3e-3"])
+    argv, run = cut_run(tmp_path, monkeypatch)
+    (run / "model.pt").write_bytes((other / "model.pt").read_bytes())  # same shapes, another rate
+    before = folder_bytes(run)
+    capsys.readouterr()
+    assert m.main(argv) == 2
+    assert "model.pt holds a run with lr=0.003, not lr=0.001" in capsys.readouterr().err
+    assert m.main(["--load", str(run), "--analyze"]) == 2  # its config.json says otherwise: not this run's model
+    assert "config.json holds a run with lr=0.001, not lr=0.003" in capsys.readouterr().err
+    assert folder_bytes(run) == before
 
 
 def fail_from_call(monkeypatch, n, what):
@@ -835,7 +991,7 @@ def test_device_auto_prefers_cuda_then_mps_then_cpu(cuda, mps, want, monkeypatch
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
     assert m.setup(m.Config(device="auto")) == want
     if not cuda:
-        with pytest.raises(m.ConfigError, match="device 'cuda' was asked for but CUDA is not available here"):
+        with pytest.raises(m.ConfigError, match="device 'cuda' is not available here"):
             m.setup(m.Config(device="cuda"))
 
 
@@ -1210,8 +1366,8 @@ def test_h3_shift_kernel_is_the_cross_correlation(d_state, L):
 def test_bench_steps_times_every_architecture(capsys):
     times = m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4), n=1)
     lines = capsys.readouterr().out.splitlines()[1:]
-    assert [l.split()[0] for l in lines] == list(times) == ["attention", "based", "base_conv", "hyena", "h3", "mamba",
-                                                            "deltanet"]
+    assert [l.split()[0] for l in lines] == list(times) == ["attention", "based", "mamba", "deltanet", "base_conv",
+                                                            "hyena", "h3"]  # the file's order
     for line, (arch, t) in zip(lines, times.items()):
         assert line.split()[1] == f"{t:.2f}" and line.split()[3] == f"{t / times['attention']:.2f}x"
         assert re.search(r" \| watch \d+ ms, \d+\.\d% of 2000 steps$", line), line  # the cost of analyze_every
@@ -1221,10 +1377,11 @@ def test_bench_steps_times_every_architecture(capsys):
 
 def test_presets_expand_to_the_paper_grids():
     p = m.presets()
-    seven = ["attention", "based", "base_conv", "hyena", "h3", "mamba", "deltanet"]
+    seven = ["attention", "based", "mamba", "deltanet", "base_conv", "hyena", "h3"]  # the file's order
     assert [s["arch"] for _, s in p["ar"]] == seven and all(s["task"] == "ar" for _, s in p["ar"])
     assert {s["atr_setting"] for k in ("atr_easy", "atr_medium", "atr_8192") for _, s in p[k]} == set(m.ATR_SETTINGS)
     assert [s["d_conv"] for _, s in p["mamba_conv"]] == ["0", "1", "2", "3", "4"]
+    assert [(s["task"], s["d_conv"]) for _, s in p["atr_mamba_conv"]] == [("atr", w) for w in "01234"]
     assert [s["d_conv"] for _, s in p["based_conv"]] == ["1", "2", "3", "4", "long"]
     assert {s["n_layers"] for _, s in p["layers"]} == {1, 3}
     flipped = [("attention", "off"), ("mamba", "on"), ("based", "on"), ("hyena", "on")]  # App. D.1
@@ -1343,7 +1500,7 @@ def test_shards_split_a_sweep_and_the_plain_command_only_summarises(tmp_path, ca
         assert m.main(argv + ["--shard", f"{i}/3"]) == 0
         shards.append(sorted(set(trained()) - set(before)))
     assert [len(s) for s in shards] == [3, 3, 2] and len(trained()) == 8 and not (tmp_path / "summary.json").exists()
-    monkeypatch.setattr(m, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    monkeypatch.setattr(m, "train_step", lambda *a, **k: pytest.fail("a finished run was trained again"))
     assert m.main(argv) == 0
     assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 2
     capsys.readouterr()
@@ -1406,10 +1563,36 @@ def test_a_mixer_that_breaks_the_contract_is_refused_in_one_sentence(monkeypatch
         def forward(self, u):
             return u.cumsum(1) / torch.arange(1, u.shape[1] + 1)[:, None]
 
-    with pytest.raises(m.ConfigError, match=r"^mixer 'half' returned \(2, 16, 8\) for an input of shape \(2, 16, 16\); "
+    with pytest.raises(m.ConfigError, match=r"^mixer 'half' returned \(33, 32, 8\) for an input of shape \(33, 32, 16\); "
                                             r"a registered mixer maps \(B, L, d\) to \(B, L, d\), causally$"):
         m.build_model(m.Config(arch="half", d_model=16), 20)
     assert m.build_model(m.Config(arch="running_mean", d_model=16), 20) is not None
     assert m.main(TINY + ["--arch", "peek", "--out_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: mixer 'peek' is not causal: its output at positions 0-7 changed") and err.count("\n") == 1
+    assert err.startswith("error: mixer 'peek' is not causal: its output at position 0 changed") and err.count("\n") == 1
+
+    @m.register("blocks_of_8", lr=1e-3)
+    class BlocksOf8(torch.nn.Module):  # attends freely inside blocks of 8 tokens: reads up to 7 ahead
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+
+        def forward(self, u):
+            B, L, d = u.shape
+            pad = -L % 8
+            x = torch.nn.functional.pad(u, (0, 0, 0, pad)).view(B, -1, 8, d)
+            return x.mean(2, keepdim=True).expand_as(x).reshape(B, -1, d)[:, :L]
+
+    @m.register("peek_8", lr=1e-3)
+    class Peek8(torch.nn.Module):  # causal but for one input 8 tokens ahead
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+
+        def forward(self, u):
+            return u + torch.nn.functional.pad(u[:, 8:], (0, 0, 0, 8))
+
+    for arch, words in (("blocks_of_8", "position 0 changed with its input after position 0"),
+                        ("peek_8", "position 0 changed with its input after position 0")):
+        with pytest.raises(m.ConfigError, match=f"mixer '{arch}' is not causal: its output at {words}"):
+            m.build_model(m.Config(arch=arch, d_model=16), 20)
+    with pytest.raises(m.ConfigError, match=r"register\('bad', lr=-1\): the default learning rate must be a positive"):
+        m.register("bad", lr=-1)

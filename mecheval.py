@@ -214,10 +214,11 @@ def make_ar(cfg, n, rng):
 class Grammar:
     """The random right-headed PCFG behind associative treecall, the paper's new task (tinylang's grammar).
 
-    A rule for X uses only nonterminals of larger depth score (no recursion); a body has 1..max_body symbols
-    (tinylang's max_rhs = max_body + 1, an exclusive bound), a terminal slot fixed in the rule. Expanding X writes
-    its body's expansions and then a head terminal as the rightmost symbol; that head is the parent of everything
-    X produced directly (terminals, and the heads of child nonterminals).
+    40 nonterminals, each with a random depth score in 1..10; a rule for X uses only nonterminals of larger score,
+    so there is no recursion. Each X has 1..5 rules (bodies of 1..max_body symbols; tinylang's max_rhs, an exclusive
+    bound, is max_body + 1), each symbol a nonterminal or, with weight 20, a terminal chosen when the rule is made.
+    Expanding X writes its body's expansions, then a head terminal drawn from X's own distribution as the rightmost
+    symbol; that head is the parent of everything X produced directly (terminals, and child nonterminals' heads).
     """
 
     def __init__(self, rng, n_terminals, max_body, n_nonterminals=40, max_depth=10, max_rules=5,
@@ -612,8 +613,9 @@ class Batches:
 
 
 def train(cfg, log=print):
-    """Train the model of cfg as the paper and return its results; the rest (folder, checkpoints and resume, the
-    NaN stop, progress lines, the watched mechanism) is a Run's, handed the parts, each evaluation, then the end."""
+    """Train the model of cfg as the paper and return its results. The rest is a Run's (with the machinery): begin
+    makes the folder and restores a checkpoint; evaluated, at each evaluation, stops on a NaN loss, keeps the history
+    and a checkpoint, prints the progress line, checks the mechanism; end saves the weights and runs the grid."""
     device = setup(cfg)
     run = Run(cfg, log)  # the run folder, out_dir/run_name: refused if it holds other settings
     if run.finished:     # a finished run is not trained again: its results as they are
@@ -642,10 +644,11 @@ def train(cfg, log=print):
 
 # ----------------------------------------------------------------------------------------------------
 # Interchange interventions (the paper's metric; tinylang eval/interchange.py). Each document runs clean and
-# corrupted, its key replaced by another (pyvene's source and base). One clean activation, at one site,
+# corrupted, its key replaced by another token of its kind. One clean activation, at one site,
 # layer and position, is patched into the corrupted run; how much of p(answer) comes back?
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
-# Sites (SITES) are hooks, the same in every model; patching an *_input changes only that branch, not the stream.
+# Sites (SITES) are hooks, the same in every model: block_input / block_output are the residual stream itself,
+# mixer_* and mlp_* one branch of it, conv_output the output of the mixer's (first) ShortConv.
 # To reuse the method, copy SITES, POSITIONS, ROUTE, site_module, model_sites, hooks, read_at, write_at, patch,
 # interchange, corrupt_tokens, answer_logits, mechanism, verdict and ShortConv (for conv_output). They need
 # model.blocks[l].mixer / .mlp, model.hidden / .head, task.classes and an eval Split (ids, lengths, pos, answers).
@@ -722,7 +725,8 @@ def patch(model, ids, site, layer, positions, values, run=None):
 
 def interchange(model, corrupted_ids, clean_ids, site, layer, positions):
     """One interchange intervention: the logits (B, L, V) of the corrupted documents, with the clean documents'
-    activation at `site` of block `layer` patched in at positions (B,), one a document (-1: none)."""
+    activation at `site` of block `layer` patched in at positions (B,), one a document (-1: none). mechanism does
+    the same for a whole grid: one clean forward reads every cell's activations, then patch for each cell."""
     read = {}
     with hooks(model, {(site, layer): read_at({"x": positions}, read)}):
         model.hidden(clean_ids)
@@ -790,7 +794,7 @@ def verdict(mech, threshold=0.5):
 
     Two layers, the paper's models:
         layer-0 block_output at the query >= 0.5   direct retrieval in layer 0 (the answer is made at the query)
-        else the highest of layer-1 block_input at (query too is reported, but a query route is layer 0's, above):
+        else the highest of layer-1 block_input at value, key, next key (query is shown, not ranked):
           value >= 0.5     induction: layer 0 copied the key onto the value token, where layer 1 matches the query
                            against it and copies that value, as an induction head does
           key >= 0.5       direct retrieval in layer 1 (its mixer reads the key itself)
@@ -799,7 +803,8 @@ def verdict(mech, threshold=0.5):
 
     Deeper models: the first layer whose block_output at the query reaches 0.5 (else the last) is the one that
     retrieves; if it is layer 0 that is direct retrieval in layer 0, else its block_input is read as layer 1's above.
-    "no verdict": the corruption costs <= 0.01 of p(answer), so no attribution is defined."""
+    "no verdict": the corruption costs <= 0.01 of p(answer), so no attribution is defined. The rule reads a key
+    corruption (corrupt=key); on ATR the value is the queried child's parent, often several tokens to its right."""
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
@@ -1241,10 +1246,10 @@ class Run:
         self.results = load_file(self.path("results.json")) if os.path.exists(self.path("results.json")) else {}
         self.finished = (status := self.results.get("status")) in ("completed", "target reached")
         if status == "nonfinite":
-            raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results['steps_done']:,} "
+            raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results.get('steps_done')} "
                                 f"(lr={cfg.lr:g}); train another --lr, or move the folder away to start over")
         if self.finished:
-            log(f"{self.dir} finished ({status}) at step {self.results['steps_done']:,}; these are its results (move "
+            log(f"{self.dir} finished ({status}) at step {self.results.get('steps_done')}; these are its results (move "
                 f"the folder away to train it again)")
         elif os.path.exists(self.path("model.pt")):
             self.ckpt = load_file(self.path("model.pt"))
@@ -1289,7 +1294,7 @@ class Run:
         if not math.isfinite(loss):
             self.save("nonfinite")
             raise NonFiniteLoss(f"the training loss became {loss} between steps {step - n + 1} and {step} "
-                                f"(lr={cfg.lr:g}); {self.dir} keeps the last good checkpoint")
+                                f"(lr={cfg.lr:g}); {self.dir} keeps the last good checkpoint, for --load")
         r["history"].append(h := {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer":
                                   round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
         if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
@@ -1558,7 +1563,9 @@ def plot(folder, log=print):
         raise ConfigError("--plot needs matplotlib, which is not installed; pip install matplotlib") from None
     if not os.path.isfile(path):
         return plot_history(folder, load_file(run), plt, log)
-    rows = load_file(path)["rows"]
+    rows = load_file(path).get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{path} holds no rows of a sweep; run the sweep's command again to write it")
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
         groups.setdefault(r["label"], []).append(r)
@@ -1597,7 +1604,7 @@ def save_figures(folder, figures, plt, log=print):
 
 def plot_history(folder, results, plt, log=print):
     """formation.png of a run trained with analyze_every: accuracies, the gap and the attributions each verdict read."""
-    watched = [h for h in results["history"] if "verdict" in h]
+    watched = [h for h in results.get("history", []) if "verdict" in h]
     if not watched:
         raise ConfigError(f"{folder} holds no checks of the mechanism; train it with --analyze_every N (N > 0)")
     steps = [h["step"] for h in watched]

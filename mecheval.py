@@ -121,7 +121,7 @@ class Config:
 # The named positions, where the analysis corrupts and patches:
 #     name       AR (make_ar)                  ATR (make_atr_split)
 #     key        the queried pair's key        the queried child, in the sentence
-#     value      its value, right after it     the child's parent, to its right, often far
+#     value      its value, right after it     the child's parent, to its right (often the next token)
 #     next_key   the next pair's key           the token after the child (key + 1)
 #     divider    the EOS before the query      the EOS before the query
 #     query      the key, asked again          the child, asked again
@@ -804,7 +804,8 @@ def verdict(mech, threshold=0.5):
     Deeper models: the first layer whose block_output at the query reaches 0.5 (else the last) is the one that
     retrieves; if it is layer 0 that is direct retrieval in layer 0, else its block_input is read as layer 1's above.
     "no verdict": the corruption costs <= 0.01 of p(answer), so no attribution is defined. The rule reads a key
-    corruption (corrupt=key); on ATR the value is the queried child's parent, often several tokens to its right."""
+    corruption (corrupt=key). On ATR the value is the child's parent, often the very next token: there value and
+    next key are one position, and a one-token carry reads as induction (split the documents to tell them apart)."""
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}

@@ -616,10 +616,10 @@ def train(cfg, log=print):
     """Train the model of cfg as the paper and return its results. The rest is a Run's (with the machinery): begin
     makes the folder and restores a checkpoint; evaluated, at each evaluation, stops on a NaN loss, keeps the history
     and a checkpoint, prints the progress line, checks the mechanism; end saves the weights and runs the grid."""
-    device = setup(cfg)
     run = Run(cfg, log)  # the run folder, out_dir/run_name: refused if it holds other settings
     if run.finished:     # a finished run is not trained again: its results as they are
         return run.results
+    device = setup(cfg)
     task = make_task(cfg)
     model = build_model(cfg, task.vocab_size).to(device)
     optimizer = adamw(model, cfg.lr)

@@ -6,6 +6,7 @@ Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd,
 Toeplitz convolutions, whose backward is written out (checked with gradcheck in the tests).
 `python kernels.py` benchmarks reference vs fast forward + backward. mecheval.py --compile compiles them.
 """
+import functools
 import math
 import time
 
@@ -191,17 +192,40 @@ def selective_scan_ref(x, delta, A, B, C, D):
     return torch.stack(ys, dim=1) + x * D
 
 
+def _scan_steps(s, delta, dx, B, C, A):
+    """The recurrence from state s (B, E, N) over the steps of delta, dx = Δ ⊙ x (B, T, E) and B, C (B, T, N):
+    (y (B, T, E) without D x, the last state)."""
+    ys = []
+    for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), dx.unbind(1), B.unbind(1), C.unbind(1)):
+        s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B
+        ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, E)
+    return torch.stack(ys, dim=1), s
+
+
 def selective_scan(x, delta, A, B, C, D):
     """The same, one time step at a time on (B, E, N) slices: the decay, the input and the readout are
     formed inside the loop, so no (B, L, E, N) tensor is ever built, in forward or in backward. The
     loop walks unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero tensor per
     step in backward)."""
-    s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])                  # (B, E, N)
-    ys = []
-    for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), (delta * x).unbind(1), B.unbind(1), C.unbind(1)):
-        s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B
-        ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, E)
-    return torch.stack(ys, dim=1) + x * D
+    return _scan_steps(x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), delta, delta * x, B, C, A)[0] + x * D
+
+
+@torch.compiler.disable  # a compiled model calls it as it is: compiling the loop whole unrolls all L steps
+def selective_scan_chunked(x, delta, A, B, C, D, T=16):
+    """The same with the loop compiled once, as a graph of T steps, and run over the sequence chunk by chunk
+    (zero-padded: Δ = 0 keeps the state), so that compiling takes as long at any L (--compile on a CPU)."""
+    L, steps = x.shape[1], _compiled_steps()
+    delta, dx, B, C = (F.pad(t, (0, 0, 0, -L % T)) for t in (delta, delta * x, B, C))
+    s, ys = x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), []
+    for i in range(0, delta.shape[1], T):
+        y, s = steps(s, delta[:, i:i + T], dx[:, i:i + T], B[:, i:i + T], C[:, i:i + T], A)
+        ys.append(y)
+    return torch.cat(ys, dim=1)[:, :L] + x * D
+
+
+@functools.cache  # made on first use: torch.compile imports its compiler
+def _compiled_steps():
+    return torch.compile(_scan_steps, dynamic=False)
 
 
 def selective_scan_parallel(x, delta, A, B, C, D):
@@ -268,18 +292,20 @@ def delta_rule(q, k, v, beta, chunk=64):
 
 def _inputs(op, B, L, d, gen):
     r, E = (lambda *s: torch.randn(*s, generator=gen)), 2 * d
+    op = op.replace("_parallel", "").replace("_chunked", "")  # the scan's three forms take the same inputs
     return {"short_conv": lambda: [r(B, L, E), r(E, 4), r(E)], "long_conv": lambda: [r(B, L, d), r(d, L) * 0.1],
             "based_attention": lambda: [r(B, L, 8), r(B, L, 8), r(B, L, d)],
             "selective_scan": lambda: [r(B, L, E), F.softplus(r(B, L, E)), -torch.rand(E, 16, generator=gen) * 4,
                                        r(B, L, 16), r(B, L, 16), r(E)],
             "delta_rule": lambda: [F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1), r(B, L, d),
-                                   torch.rand(B, L, generator=gen)]}[op.replace("_parallel", "")]()
+                                   torch.rand(B, L, generator=gen)]}[op]()
 
 
 PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref, long_conv),
          "based_attention": (based_attention_ref, based_attention),
          "selective_scan": (selective_scan_ref, selective_scan),
          "selective_scan_parallel": (selective_scan_ref, selective_scan_parallel),
+         "selective_scan_chunked": (selective_scan_ref, selective_scan_chunked),
          "delta_rule": (delta_rule_ref, delta_rule)}
 
 

@@ -72,6 +72,8 @@ class Config:
     atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: held-out (parent, child) pairs "
                                     "are not trained, and are tested apart (dev: allowed pairs, test: held-out)")
     atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
+    atr_query: str = setting("parent", "ATR: what a query asks of the child: parent (the paper's main task), or "
+                                       "sibling (its rightmost sibling, the child itself if none; App. D.4)")
     n_train: int = setting(100_032, "training documents (iterated in epochs)")
     n_eval: int = setting(320, "evaluation documents")
     # the model
@@ -125,6 +127,7 @@ class Config:
 #     next_key   the next pair's key           the token after the child (key + 1)
 #     divider    the EOS before the query      the EOS before the query
 #     query      the key, asked again          the child, asked again
+# With --atr_query sibling, value is the child's rightmost sibling, the answer (none where the child answers itself).
 
 @dataclass
 class Split:
@@ -154,6 +157,7 @@ class Task:
                              # (AR: keys, values; ATR: terminals); a corrupted token is drawn from them
     heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
     test: Split = None       # ATR generalisation split: the test documents (queries on held-out pairs)
+    query: str = "parent"    # ATR: what the query asks for, the child's parent or its sibling (AR: parent, in kind)
 
     def decode(self, ids):
         return " ".join(self.token_names[int(i)] for i in ids if int(i) != PAD)
@@ -267,7 +271,7 @@ class Grammar:
         return tokens, parents
 
 
-def make_atr_split(grammar, n, stream, allow=None):
+def make_atr_split(grammar, n, stream, allow=None, query="parent"):
     """n documents `BOS yield EOS child parent EOS`. A worked example (terminals t0.., ids from 3):
 
         position  0    1   2   3   4    5   6   7   8
@@ -280,7 +284,9 @@ def make_atr_split(grammar, n, stream, allow=None):
     children. Named positions: key = the child in the sentence (2), value = its parent (4, always to the
     right), next_key = key+1 (3), divider (5), query (6), answer (7). Sentences shorter than 3 tokens,
     documents over MAX_LEN tokens and sentences without an eligible query are rejected and redrawn.
-    allow(parent_type, child_type) restricts the queried pairs (the generalisation split). Document i
+    query="sibling" asks for the rightmost child of the same parent (tinylang's sibling query), which must be the
+    rightmost of its type too; the child itself where none lies right of it, and then value = -1 (no position).
+    allow(answer_type, child_type) restricts the queried pairs (the generalisation split). Document i
     draws from its own stream random.Random(f"{stream}/{i}"), so any document can be regenerated alone.
     """
     docs, at = [], []  # per document: key, value, next_key, divider, query, answer
@@ -292,20 +298,23 @@ def make_atr_split(grammar, n, stream, allow=None):
                 continue
             tokens, parents = s
             rightmost = {t: j for j, t in enumerate(tokens)}  # terminal type -> its last position
-            by_parent = {}
-            for c in sorted(rightmost.values()):
-                if parents[c] >= 0 and (allow is None or allow(tokens[parents[c]], tokens[c])):
-                    by_parent.setdefault(parents[c], []).append(c)
-            if by_parent:
+            last = {q: j for j, q in enumerate(parents)}  # parent (-1: the root's) -> its rightmost child
+            answer = {c: last[parents[c]] if query == "sibling" else parents[c] for c in rightmost.values()}
+            by_answer = {}  # the answer's position -> the children that may be queried for it
+            for c, a in sorted(answer.items()):
+                if a >= 0 and (query == "parent" or rightmost[tokens[a]] == a) and (allow is None or
+                                                                                   allow(tokens[a], tokens[c])):
+                    by_answer.setdefault(a, []).append(c)
+            if by_answer:
                 break
         else:
             raise ConfigError(f"100,000 sentences in a row had no query allowed in stream {stream}; with "
                               f"atr_split=gen, choose an atr_heldout that holds out some pairs but not nearly all")
-        p = rng.choice(sorted(by_parent))
-        c = rng.choice(by_parent[p])
+        a = rng.choice(sorted(by_answer))
+        c = rng.choice(by_answer[a])
         n_tok = len(tokens)
-        docs.append([BOS] + [t + 3 for t in tokens] + [EOS, tokens[c] + 3, tokens[p] + 3, EOS])
-        at.append((1 + c, 1 + p, 2 + c, n_tok + 1, n_tok + 2, n_tok + 3))
+        docs.append([BOS] + [t + 3 for t in tokens] + [EOS, tokens[c] + 3, tokens[a] + 3, EOS])
+        at.append((1 + c, 1 + a if a != c else -1, 2 + c, n_tok + 1, n_tok + 2, n_tok + 3))
     return make_split(docs, dict(zip(("key", "value", "next_key", "divider", "query", "answer"), zip(*at))))
 
 
@@ -328,14 +337,15 @@ def make_task(cfg, train=True):
             raise ConfigError(f"atr_heldout={cfg.atr_heldout} holds out {int(heldout.sum())} of the {heldout.size} "
                               f"(parent, child) pairs; both splits need some")
         allow = lambda p, c: not heldout[p, c]
-        test = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/test", lambda p, c: heldout[p, c])
+        test = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/test", lambda p, c: heldout[p, c], cfg.atr_query)
     gen = "" if cfg.atr_split == "iid" else "/heldout"
-    train = make_atr_split(grammar, cfg.n_train, f"{cfg.seed}/train{gen}", allow) if train else None
-    evals = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/{'iid' if heldout is None else 'dev'}", allow)
+    train = make_atr_split(grammar, cfg.n_train, f"{cfg.seed}/train{gen}", allow, cfg.atr_query) if train else None
+    evals = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/{'iid' if heldout is None else 'dev'}", allow,
+                           cfg.atr_query)
     names = ["<pad>", "<bos>", "<eos>"] + [f"t{i}" for i in range(n_terminals)]
     terminals = (3, 3 + n_terminals)  # the child and its parent are both terminals
     return Task("atr", 3 + n_terminals, train, evals, names, {"key": terminals, "value": terminals},
-                None if heldout is None else torch.from_numpy(heldout), test)
+                None if heldout is None else torch.from_numpy(heldout), test, cfg.atr_query)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -651,7 +661,8 @@ def train(cfg, log=print):
 # mixer_* and mlp_* one branch of it, conv_output the output of the mixer's (first) ShortConv.
 # To reuse the method, copy SITES, POSITIONS, ROUTE, site_module, model_sites, hooks, read_at, write_at, patch,
 # interchange, corrupt_tokens, answer_logits, mechanism, verdict and ShortConv (for conv_output). They need
-# model.blocks[l].mixer / .mlp, model.hidden / .head, task.classes and an eval Split (ids, lengths, pos, answers).
+# model.blocks[l].mixer / .mlp, model.hidden / .head, task.classes, task.query and an eval Split (ids, lengths, pos,
+# answers).
 
 SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
 POSITIONS = ("key", "value", "next_key", "divider", "query")
@@ -777,7 +788,7 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
         gap = clean_p - corrupt_p
         grid.append({"site": site, "layer": layer, "position": k, "p_clean": clean_p, "p_corrupt": corrupt_p,
                      "p_patched": patched_p, "attribution": (patched_p - corrupt_p) / gap if gap > 0.01 else None})
-    result = {"corrupt": corrupt, "n_docs": len(split), "p_clean": p_clean.mean().item(),
+    result = {"corrupt": corrupt, "query": task.query, "n_docs": len(split), "p_clean": p_clean.mean().item(),
               "p_corrupt": p_corrupt.mean().item(), "n_layers": len(model.blocks), "grid": grid,
               "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
     result["verdict"] = verdict(result)
@@ -805,7 +816,11 @@ def verdict(mech, threshold=0.5):
     retrieves; if it is layer 0 that is direct retrieval in layer 0, else its block_input is read as layer 1's above.
     "no verdict": the corruption costs <= 0.01 of p(answer), so no attribution is defined. The rule reads a key
     corruption (corrupt=key). On ATR the value is the child's parent, often the very next token: there value and
-    next key are one position, and a one-token carry reads as induction (split the documents to tell them apart)."""
+    next key are one position, and a one-token carry reads as induction (split the documents to tell them apart).
+    Sibling queries are not read: two thirds of the children answer themselves (no value), so the value column
+    would stand on other documents than the key's."""
+    if mech.get("query", "parent") != "parent":  # a sibling answer: no one position holds what the rule reads
+        return {"kind": "not read (sibling queries)", "layer": None, "reads": {}}
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
@@ -939,8 +954,9 @@ class Mamba(nn.Module):
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
         delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
-        parallel = x.is_cuda and torch.compiler.is_compiling()  # few launches to graph; a CPU loops faster
-        scan = kernels.selective_scan_parallel if parallel else kernels.selective_scan
+        scan = kernels.selective_scan
+        if torch.compiler.is_compiling():  # on a GPU whole-tensor rounds (few launches); on a CPU the loop in chunks
+            scan = kernels.selective_scan_parallel if x.is_cuda else kernels.selective_scan_chunked
         y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
         return self.out_proj(y * F.silu(z))
 
@@ -1080,6 +1096,7 @@ def config_errors(c):
     widths = {"mamba": "0 1 2 3 4", "deltanet": "0 1 2 3 4", "based": "1 2 3 4 long", "base_conv": "1 2 3 4 long"}
     for name, allowed in (("task", TASKS), ("arch", list(ARCHS)), ("pos_emb", ("auto", "on", "off")),
                           ("atr_setting", list(ATR_SETTINGS)), ("atr_split", ("iid", "gen")),
+                          ("atr_query", ("parent", "sibling")),
                           ("corrupt", ("key", "value")), ("batch_order", ("shuffle", "fixed")),
                           ("device", ("auto", "cpu", "cuda", "cuda:N", "mps"))):
         value = getattr(c, name)
@@ -1108,9 +1125,11 @@ def config_errors(c):
     yield ar and min(K, V) < 2, f"n_keys={K} and n_values={V} must be at least 2 (the analysis swaps one for another)"
     yield ar and K + V > 10 ** 7, f"n_keys={K} and n_values={V} make {K + V:,} tokens; at most 10,000,000"
     yield c.arch == "h3" and c.d_model % 2, f"h3 splits d_model into heads of 2 channels; d_model={c.d_model} is odd"
-    for name in ("atr_setting", "atr_split") if ar else ("n_pairs", "n_keys", "n_values"):  # it would be ignored
+    for name in ("atr_setting", "atr_split", "atr_query") if ar else ("n_pairs", "n_keys", "n_values"):  # ignored
         yield getattr(c, name) != default[name], (f"{name}={getattr(c, name)} is an {'ATR' if ar else 'AR'} option; "
                                                   f"with task={c.task} leave it out")
+    yield c.atr_query == "sibling" and c.corrupt == "value", \
+        "corrupt=value needs a value in every document; with atr_query=sibling a child may be its own answer: use key"
     yield c.atr_heldout != default["atr_heldout"] and c.atr_split != "gen", (
         f"atr_heldout={c.atr_heldout} applies to the generalisation split only; add --task atr --atr_split gen")
     steps = c.steps or PAPER_STEPS.get(c.task, 0)
@@ -1121,8 +1140,8 @@ def config_errors(c):
 
 def verdict_text(v, numbers=True):
     """A verdict in words, with the attributions it rests on unless numbers=False."""
-    if v is None:
-        return "-"
+    if v is None or not v["reads"]:
+        return "-" if v is None else v["kind"]
     kind, r = v["kind"], v["layer"]
     name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
     if not numbers:
@@ -1213,6 +1232,7 @@ def fmt_time(s):
 def default_run_name(cfg):
     """The run folder's name when none is given: the settings a sweep or preset varies."""
     extra = f"_{cfg.atr_setting}" + ("" if cfg.atr_split == "iid" else f"_{cfg.atr_split}") if cfg.task == "atr" else ""
+    extra += "" if cfg.atr_query == "parent" else f"_{cfg.atr_query}"
     extra += ("" if cfg.d_conv == "auto" else f"_c{cfg.d_conv}") + "_fixed" * (cfg.batch_order == "fixed")
     return f"{cfg.task}{extra}_{cfg.arch}_d{cfg.d_model}_l{cfg.n_layers}_lr{cfg.lr:g}_s{cfg.seed}"
 
@@ -1533,6 +1553,9 @@ def presets():
         "pos_emb": [(f"{a}_pos_{p}", dict(task="ar", arch=a, pos_emb=p))  # App. D.1: the default flipped
                     for a, p in (("attention", "off"), ("mamba", "on"), ("based", "on"), ("hyena", "on"))],
         "atr_gen": [(a, dict(task="atr", arch=a, atr_split="gen")) for a in archs],
+        "atr_sibling": [(f"{a}_{n}l", dict(task="atr", arch=a, atr_query="sibling", n_layers=n))  # App. D.4
+                        for a, layers in (("mamba", (1, 2, 3)), ("attention", (1, 2, 3)), ("h3", (1, 2, 3)),
+                                          ("based", (1,))) for n in layers],
         "seeds": [(a, dict(task="ar", arch=a)) for a in archs],
     }
 
@@ -1621,21 +1644,24 @@ def plot_history(folder, results, plt, log=print):
     save_figures(folder, {"formation.png": fig}, plt, log)
 
 
-def bench_steps(cfg, n=20, log=print):
-    """ms a training step of every architecture at cfg's sizes (median of n), compiled too (3 rounds, fastest kept)."""
+def bench_steps(cfg, n=20, log=print, archs=None):
+    """ms a training step of every architecture (or archs) at cfg's sizes (median of n), compiled too (3 rounds, fastest
+    kept), on the first batch_size documents."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
     watched = make_task(replace(cfg, n_train=cfg.n_eval)) if cfg.analyze_every else None  # what watch reads
-    log(f"training step, {cfg.task}, d={cfg.d_model}, {cfg.n_layers} layers, B={cfg.batch_size}, {device}, {n} steps")
+    log(f"training step, {cfg.task}, L={batch[0].shape[1]}, d={cfg.d_model}, {cfg.n_layers} layers, "
+        f"B={cfg.batch_size}, {device}, {n} steps")
     times = {}
-    for arch in ARCHS:
+    for arch in archs or ARCHS:
         model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
         optimizer, fns = adamw(model, 1e-4), [answer_loss] + [step_loss(True, device)] * cfg.compile
         t = [[kernels.timeit(lambda: train_step(model, optimizer, *batch, fn), device, n) for fn in fns]
              for _ in range(3 if cfg.compile else 1)]  # t[round][eager, compiled] = (ms, first call s)
         times[arch] = min(r[0][0] for r in t)
-        line = f"{arch:<10} {times[arch]:8.2f} ms/step {times[arch] / times['attention']:6.2f}x attention"
+        line = f"{arch:<10} {times[arch]:8.2f} ms/step"
+        line += f" {times[arch] / times['attention']:6.2f}x attention" if "attention" in times else ""
         if cfg.compile:
             ms = min(r[1][0] for r in t)
             line += f" | compiled {ms:8.2f} ms, {times[arch] / ms:5.2f}x faster; first step {t[0][1][1]:.0f} s"
@@ -1727,7 +1753,7 @@ def main(argv=None):
             raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one" if len(flags) > 1 else
                               f"--plot takes a folder and nothing else, not --{' --'.join(args)}")
         if flags.get("bench"):
-            bench_steps(Config(**args))
+            bench_steps(Config(**args), archs=[args["arch"]] if "arch" in args else None)  # --arch: that one only
         elif "plot" in flags:
             plot(flags["plot"])
         elif "preset" in flags:

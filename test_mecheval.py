@@ -153,6 +153,32 @@ def test_atr_against_independent_trees(setting):
     assert lengths.min() >= 3 and lengths.max() <= m.MAX_LEN - 5
 
 
+def test_atr_sibling_queries_against_independent_trees():
+    """App. D.4: the answer is the child's rightmost sibling (the rightmost leaf with its parent, the child itself if
+    none lies right of it), and both are the rightmost of their types; value is the answer's position, -1 for itself."""
+    cfg = small_atr(atr_query="sibling", n_train=150, n_eval=20)
+    task, grammar = m.make_task(cfg), atr_grammar(cfg)
+    split = task.train
+    assert task.query == "sibling" and m.make_task(small_atr(n_train=40)).query == "parent"  # what the verdict reads
+    ids, pos, selves = split.input_ids, split.pos, 0
+    for n in range(len(split)):
+        r = random.Random(f"{cfg.seed}/train/{n}")
+        while True:  # the root is its own sibling answer, so every sentence of 3 tokens or more has a query
+            leaves, parents = tree_yield_and_parents(replay_tree(grammar, r))
+            if 3 <= len(leaves) <= m.MAX_LEN - 5:
+                break
+        last = {t: i for i, t in enumerate(leaves)}
+        c = int(pos["key"][n]) - 1
+        a = max(j for j, q in enumerate(parents) if q == parents[c])
+        assert last[leaves[c]] == c and last[leaves[a]] == a, "child and answer are the rightmost of their types"
+        assert split.answers[n] == leaves[a] + 3 and ids[n, pos["query"][n]] == leaves[c] + 3
+        assert pos["value"][n] == (a + 1 if a != c else -1) and pos["next_key"][n] == c + 2
+        selves += a == c
+    assert 0 < selves < len(split), "some children answer themselves, some have a sibling to their right"
+    with pytest.raises(m.ConfigError, match="corrupt=value needs a value in every document"):
+        small_atr(atr_query="sibling", corrupt="value")
+
+
 def test_atr_tree_statistics_easy():
     task = m.make_task(small_atr(n_train=3000, n_eval=10))
     dist = (task.train.pos["value"] - task.train.pos["key"]).float().mean().item()
@@ -612,6 +638,8 @@ def test_verdict_reads_the_grid_like_the_paper():
     assert m.verdict_text(v).startswith("induction (layer-1 block_input attribution: value 0.95")
     v = m.verdict(fake_mech(2, {**last(2), ("block_output", 0, "query"): 0.9, ("block_input", 1, "query"): 0.9}))
     assert m.verdict_text(v, numbers=False) == "direct retrieval in layer 0"
+    v = m.verdict({**fake_mech(2, {**last(2), ("block_input", 1, "value"): 0.95}), "query": "sibling"})  # App. D.4
+    assert v["kind"] == m.verdict_text(v) == "not read (sibling queries)"
     assert kind(fake_mech(2, {**last(2), ("block_input", 1, "key"): 0.8})) == ("direct retrieval", 1)
     v = m.verdict(fake_mech(2, {**last(2), ("block_input", 1, "next_key"): 0.8}))
     assert m.verdict_text(v, numbers=False) == "direct retrieval in layer 1 from the next key"
@@ -1371,8 +1399,11 @@ def test_bench_steps_times_every_architecture(capsys):
     for line, (arch, t) in zip(lines, times.items()):
         assert line.split()[1] == f"{t:.2f}" and line.split()[3] == f"{t / times['attention']:.2f}x"
         assert re.search(r" \| watch \d+ ms, \d+\.\d% of 2000 steps$", line), line  # the cost of analyze_every
-    m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4, analyze_every=0), n=1)
-    assert "watch" not in capsys.readouterr().out
+    assert m.main(["--bench", "--arch", "mamba", "--d_model", "16", "--n_pairs", "2", "--n_keys", "8", "--n_values", "8",
+                   "--batch_size", "4", "--analyze_every", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "L=9," in out[0] and len(out) == 2 and out[1].split()[0] == "mamba"  # that one only, no ratio to attention
+    assert "attention" not in out[1] and "watch" not in out[1]
 
 
 def test_presets_expand_to_the_paper_grids():
@@ -1388,6 +1419,8 @@ def test_presets_expand_to_the_paper_grids():
     assert [(s["arch"], s["pos_emb"]) for _, s in p["pos_emb"]] == flipped
     assert [(s["arch"], s["atr_split"]) for _, s in p["atr_gen"]] == [(a, "gen") for a in seven]  # one training each
     assert [s["arch"] for _, s in p["seeds"]] == seven
+    assert [(s["arch"], s["n_layers"], s["atr_query"]) for _, s in p["atr_sibling"]][-4:] == [
+        ("h3", 1, "sibling"), ("h3", 2, "sibling"), ("h3", 3, "sibling"), ("based", 1, "sibling")]  # App. D.4
     for runs in p.values():  # every entry is a valid config
         for _, settings in runs:
             m.Config(**settings)

@@ -210,11 +210,15 @@ def selective_scan(x, delta, A, B, C, D):
     return _scan_steps(x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), delta, delta * x, B, C, A)[0] + x * D
 
 
+SCAN_CHUNK = 32  # the most steps of a compiled chunk of the scan
+
+
 @torch.compiler.disable  # a compiled model calls it as it is: compiling the loop whole unrolls all L steps
-def selective_scan_chunked(x, delta, A, B, C, D, T=16):
-    """The same with the loop compiled once, as a graph of T steps, and run over the sequence chunk by chunk
-    (zero-padded: Δ = 0 keeps the state), so that compiling takes as long at any L (--compile on a CPU)."""
+def selective_scan_chunked(x, delta, A, B, C, D):
+    """The same with the loop compiled as a graph of T <= SCAN_CHUNK steps, run over the sequence chunk by chunk
+    (zero-padded: Δ = 0 keeps the state), so that compiling takes about as long at any L (--compile on a CPU)."""
     L, steps = x.shape[1], _compiled_steps()
+    T = -(-L // -(-L // SCAN_CHUNK))  # the fewest chunks of at most SCAN_CHUNK steps, as even as padding allows
     delta, dx, B, C = (F.pad(t, (0, 0, 0, -L % T)) for t in (delta, delta * x, B, C))
     s, ys = x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), []
     for i in range(0, delta.shape[1], T):

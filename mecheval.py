@@ -913,6 +913,7 @@ class Mamba(nn.Module):
     tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block is mamba_ssm's Block:
     RMSNorm (eps 1e-5), then the mixer, and no MLP; its init is mamba_ssm's (init_weights)."""
     norm, mlp = functools.partial(nn.RMSNorm, eps=1e-5), False
+    unroll = 40  # AR's 37 steps compile whole in under 2 minutes, and run faster so than in chunks
 
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()
@@ -954,9 +955,9 @@ class Mamba(nn.Module):
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
         delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
-        scan = kernels.selective_scan
-        if torch.compiler.is_compiling():  # on a GPU whole-tensor rounds (few launches); on a CPU the loop in chunks
-            scan = kernels.selective_scan_parallel if x.is_cuda else kernels.selective_scan_chunked
+        scan = kernels.selective_scan  # compiled on a CPU: the loop unrolled up to `unroll` steps, beyond in chunks
+        if torch.compiler.is_compiling() and (x.is_cuda or x.shape[1] > self.unroll):
+            scan = kernels.selective_scan_parallel if x.is_cuda else kernels.selective_scan_chunked  # GPU: few launches
         y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
         return self.out_proj(y * F.silu(z))
 

@@ -1503,12 +1503,16 @@ def test_preset_from_the_command_line_sweeps_each_entry_into_its_folder(tmp_path
     assert m.main(["--preset", "nope"]) == 2 and "allowed: ar, atr_easy" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arch", ["mamba", "deltanet", "hyena"])
-def test_compiled_training_follows_the_eager_trajectory(arch, tmp_path):
+@pytest.mark.parametrize("arch", ["mamba", "mamba in chunks", "deltanet", "hyena"])
+def test_compiled_training_follows_the_eager_trajectory(arch, tmp_path, monkeypatch):
     """--compile trains the same run: the first 20 steps (losses every 5 steps, then every weight) equal the eager
     run's to float32 reassociation. The compiled graph fuses and reorders sums (~1e-7 relative per op); AdamW
     divides each gradient by its own running scale, so such differences stay near that size in the weights
     instead of being amplified, and 1e-4 leaves room while a wrong gradient or a skipped step moves far more."""
+    if arch == "mamba in chunks":  # the scan's loop compiled apart, in chunks of 4 steps (11 = 4 + 4 + 3 + padding)
+        monkeypatch.setattr(m.Mamba, "unroll", 0)
+        monkeypatch.setattr(kernels, "SCAN_CHUNK", 4)
+        arch = "mamba"
     runs = {}
     for compile in (False, True):
         cfg = small_ar(arch=arch, d_model=16, n_layers=1, n_pairs=3, steps=20, eval_every=5, target_acc=0, analyze=False,

@@ -913,7 +913,7 @@ class Mamba(nn.Module):
     tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block is mamba_ssm's Block:
     RMSNorm (eps 1e-5), then the mixer, and no MLP; its init is mamba_ssm's (init_weights)."""
     norm, mlp = functools.partial(nn.RMSNorm, eps=1e-5), False
-    unroll = 40  # AR's 37 steps compile whole in under 2 minutes, and run faster so than in chunks
+    unroll = 40  # AR's 37 steps compile whole within 2 minutes, and then run faster than in chunks
 
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()

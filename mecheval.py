@@ -23,6 +23,7 @@ The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, n
 input, h a convolution filter, and * causal convolution over time: (h * u)_t = Σ_{s<=t} h_{t-s} u_s.
 """
 import argparse
+import collections
 import functools
 import json
 import math
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.flop_counter
 
 import kernels
 
@@ -72,7 +74,8 @@ class Config:
     atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: held-out (parent, child) pairs "
                                     "are not trained, and are tested apart (dev: allowed pairs, test: held-out)")
     atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
-    atr_query: str = setting("parent", "ATR: what a query asks of the child: parent (the paper's main task), or "
+    atr_query: str = setting("parent", "ATR: what a query asks of the child: parent (the paper's main task), inner "
+                                       "(a parent that is not the root, so never the sentence's last token), or "
                                        "sibling (its rightmost sibling, the child itself if none; App. D.4)")
     n_train: int = setting(100_032, "training documents (iterated in epochs)")
     n_eval: int = setting(320, "evaluation documents")
@@ -81,10 +84,11 @@ class Config:
     d_model: int = setting(64, "model width d")
     n_layers: int = setting(2, "number of residual blocks")
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
-    d_conv: str = setting("auto", "short-conv width: mamba 0-4 (0 = none), deltanet 0-4, based (layer 0) and "
-                                  "base_conv 1-4 or long; auto = the architecture's own")
+    d_conv: str = setting("auto", "short-conv width: mamba and deltanet 0 (none) or more, based (layer 0) and "
+                                  "base_conv 1 or more, or long; auto = the architecture's own (the paper's: 1-4)")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
+    beta2: float = setting(0.999, "AdamW's beta2: the paper's 0.999, or e.g. 0.95, common for language models")
     steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
     batch_size: int = setting(32, "documents per step")
     warmup: float = setting(0.1, "fraction of the steps spent in linear warm-up")
@@ -157,7 +161,7 @@ class Task:
                              # (AR: keys, values; ATR: terminals); a corrupted token is drawn from them
     heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
     test: Split = None       # ATR generalisation split: the test documents (queries on held-out pairs)
-    query: str = "parent"    # ATR: what the query asks for, the child's parent or its sibling (AR: parent, in kind)
+    query: str = "parent"    # ATR: what the query asks for: the child's parent (parent, inner) or sibling (AR: parent)
 
     def decode(self, ids):
         return " ".join(self.token_names[int(i)] for i in ids if int(i) != PAD)
@@ -286,6 +290,7 @@ def make_atr_split(grammar, n, stream, allow=None, query="parent"):
     documents over MAX_LEN tokens and sentences without an eligible query are rejected and redrawn.
     query="sibling" asks for the rightmost child of the same parent (tinylang's sibling query), which must be the
     rightmost of its type too; the child itself where none lies right of it, and then value = -1 (no position).
+    query="inner" asks for the parent, but only of a child whose parent is not the root (the sentence's last token).
     allow(answer_type, child_type) restricts the queried pairs (the generalisation split). Document i
     draws from its own stream random.Random(f"{stream}/{i}"), so any document can be regenerated alone.
     """
@@ -301,9 +306,9 @@ def make_atr_split(grammar, n, stream, allow=None, query="parent"):
             last = {q: j for j, q in enumerate(parents)}  # parent (-1: the root's) -> its rightmost child
             answer = {c: last[parents[c]] if query == "sibling" else parents[c] for c in rightmost.values()}
             by_answer = {}  # the answer's position -> the children that may be queried for it
-            for c, a in sorted(answer.items()):
-                if a >= 0 and (query == "parent" or rightmost[tokens[a]] == a) and (allow is None or
-                                                                                   allow(tokens[a], tokens[c])):
+            for c, a in sorted(answer.items()):  # sibling: the answer is the rightmost of its type; inner: not the root
+                ok = rightmost[tokens[a]] == a if query == "sibling" else query == "parent" or parents[a] >= 0
+                if a >= 0 and ok and (allow is None or allow(tokens[a], tokens[c])):
                     by_answer.setdefault(a, []).append(c)
             if by_answer:
                 break
@@ -557,9 +562,9 @@ def setup(cfg):
     return device
 
 
-def adamw(model, lr):
+def adamw(model, lr, beta2=0.999):
     """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=0.0, fused=True)
 
 
 def answer_loss(model, ids, query, answer):
@@ -632,7 +637,7 @@ def train(cfg, log=print):
     device = setup(cfg)
     task = make_task(cfg)
     model = build_model(cfg, task.vocab_size).to(device)
-    optimizer = adamw(model, cfg.lr)
+    optimizer = adamw(model, cfg.lr, cfg.beta2)
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
     batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
@@ -776,7 +781,8 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
     acts = {}  # (site, layer, position) -> (M, d): every clean activation the grid patches in
     with hooks(model, {(site, layer): read_at(pos, acts, (site, layer)) for site, layer, _ in cells}):
         p_clean = p_answer(clean)
-    p_corrupt = p_answer(corrupted)
+    logits = answer_logits(model, corrupted, query)  # the corrupted run: its p(answer) and its accuracy
+    p_corrupt, acc_corrupt = logits.softmax(-1)[rows, answer], (logits.argmax(-1) == answer).float().mean().item()
     means = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
     for site, layer, k in cells:
         p_patched = patch(model, corrupted, site, layer, pos[k], acts[site, layer, k], p_answer)
@@ -789,8 +795,8 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
         grid.append({"site": site, "layer": layer, "position": k, "p_clean": clean_p, "p_corrupt": corrupt_p,
                      "p_patched": patched_p, "attribution": (patched_p - corrupt_p) / gap if gap > 0.01 else None})
     result = {"corrupt": corrupt, "query": task.query, "n_docs": len(split), "p_clean": p_clean.mean().item(),
-              "p_corrupt": p_corrupt.mean().item(), "n_layers": len(model.blocks), "grid": grid,
-              "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
+              "p_corrupt": p_corrupt.mean().item(), "acc_corrupt": acc_corrupt, "n_layers": len(model.blocks),
+              "grid": grid, "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
     result["verdict"] = verdict(result)
     return result
 
@@ -819,7 +825,7 @@ def verdict(mech, threshold=0.5):
     next key are one position, and a one-token carry reads as induction (split the documents to tell them apart).
     Sibling queries are not read: two thirds of the children answer themselves (no value), so the value column
     would stand on other documents than the key's."""
-    if mech.get("query", "parent") != "parent":  # a sibling answer: no one position holds what the rule reads
+    if mech.get("query", "parent") == "sibling":  # a sibling answer: no one position holds what the rule reads
         return {"kind": "not read (sibling queries)", "layer": None, "reads": {}}
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
@@ -1094,10 +1100,10 @@ def config_errors(c):
         v, (kind, name) = getattr(c, f.name), kinds[f.type]
         yield not isinstance(v, kind) or isinstance(v, bool) != (f.type is bool), f"{f.name} must be {name}, not {v!r}"
     default = {f.name: f.default for f in fields(c)}
-    widths = {"mamba": "0 1 2 3 4", "deltanet": "0 1 2 3 4", "based": "1 2 3 4 long", "base_conv": "1 2 3 4 long"}
+    widths = {"mamba": 0, "deltanet": 0, "based": 1, "base_conv": 1}  # the narrowest; BaseConv's may also be long
     for name, allowed in (("task", TASKS), ("arch", list(ARCHS)), ("pos_emb", ("auto", "on", "off")),
                           ("atr_setting", list(ATR_SETTINGS)), ("atr_split", ("iid", "gen")),
-                          ("atr_query", ("parent", "sibling")),
+                          ("atr_query", ("parent", "inner", "sibling")),
                           ("corrupt", ("key", "value")), ("batch_order", ("shuffle", "fixed")),
                           ("device", ("auto", "cpu", "cuda", "cuda:N", "mps"))):
         value = getattr(c, name)
@@ -1105,8 +1111,9 @@ def config_errors(c):
             f"unknown {name} '{value}'; allowed: {', '.join(map(str, allowed))}"
     yield c.d_conv != "auto" and c.arch not in widths, \
         f"d_conv applies to {', '.join(widths)}, not to arch={c.arch}; leave it auto"
-    yield c.d_conv not in ("auto", *widths.get(c.arch, "").split()), \
-        f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {widths.get(c.arch, '').replace(' ', ', ')}"
+    w = widths.get(c.arch, 0)
+    yield not (c.d_conv in ("auto", "long" if w else "auto") or c.d_conv.isdigit() and w <= int(c.d_conv) <= MAX_LEN), \
+        f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {w} to {MAX_LEN}" + ", or long" * w
     yield c.run_name in (".", "..") or os.path.basename(c.run_name) != c.run_name, \
         f"run_name '{c.run_name}' must be one folder name inside out_dir, without '/' or '..'"
     for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values", "n_train",
@@ -1117,6 +1124,7 @@ def config_errors(c):
     yield c.steps < 0, f"steps must be positive (or 0 for the paper's schedule), not {c.steps}"
     yield not (math.isfinite(c.lr) and c.lr >= 0), f"lr must be a positive number (or 0 for the default), not {c.lr}"
     yield not 0 <= c.warmup < 1, f"warmup is a fraction of the steps in [0, 1), not {c.warmup}"
+    yield not 0 <= c.beta2 < 1, f"beta2 is AdamW's second-moment decay in [0, 1), not {c.beta2}"
     yield not 0 <= c.target_acc <= 1, f"target_acc must lie in [0, 1] (0 disables early stopping), not {c.target_acc}"
     yield not 0 < c.atr_heldout < 1, f"atr_heldout is a fraction in (0, 1), not {c.atr_heldout}"
     ar, P, K, V = c.task == "ar", c.n_pairs, c.n_keys, c.n_values
@@ -1156,7 +1164,8 @@ def format_mechanism(mech):
     """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
     shade = " ░▒▓█"
     head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
-            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f}")
+            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f} (accuracy "
+            f"{mech.get('acc_corrupt', math.nan):.3f})")
     lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
     cells = {}
     for g in mech["grid"]:
@@ -1191,6 +1200,18 @@ def watch(model, task, cfg):
     mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=cells)
     return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
             "verdict": mech["verdict"]}
+
+
+def guesses(task):
+    """How often two guesses that never read the key are right on the evaluation split: the sentence's last token
+    (on ATR the root's head), and the answer seen most often with the query's token in the training documents."""
+    ev, tr = task.eval, task.train
+    query = lambda split: split.input_ids.gather(1, split.pos["query"][:, None])[:, 0].tolist()
+    seen = collections.Counter(zip(query(tr), tr.answers.tolist()))
+    prior = {q: a for (q, a), _ in sorted(seen.items(), key=lambda item: item[1])}  # the most frequent comes last
+    last = ev.input_ids.gather(1, ev.pos["divider"][:, None] - 1)[:, 0]
+    return {"last_token": (last == ev.answers).float().mean().item(),
+            "prior": np.mean([prior.get(q) == a for q, a in zip(query(ev), ev.answers.tolist())]).item()}
 
 
 def save_file(path, obj):
@@ -1235,6 +1256,7 @@ def default_run_name(cfg):
     extra = f"_{cfg.atr_setting}" + ("" if cfg.atr_split == "iid" else f"_{cfg.atr_split}") if cfg.task == "atr" else ""
     extra += "" if cfg.atr_query == "parent" else f"_{cfg.atr_query}"
     extra += ("" if cfg.d_conv == "auto" else f"_c{cfg.d_conv}") + "_fixed" * (cfg.batch_order == "fixed")
+    extra += ("" if cfg.pos_emb == "auto" else f"_pos_{cfg.pos_emb}") + f"_b{cfg.beta2:g}" * (cfg.beta2 != 0.999)
     return f"{cfg.task}{extra}_{cfg.arch}_d{cfg.d_model}_l{cfg.n_layers}_lr{cfg.lr:g}_s{cfg.seed}"
 
 
@@ -1289,6 +1311,9 @@ class Run:
         self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
                  f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
         self.log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
+        guessed = guesses(task)  # what a model that never reads the key can reach
+        self.log(f"without the key: the last token is the answer in {guessed['last_token']:.1%} of evaluation "
+                 f"documents, the training documents' most frequent answer to the query in {guessed['prior']:.1%}")
         try:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
@@ -1297,12 +1322,12 @@ class Run:
         self.task, self.model = task, model
         self.state = dict(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
         self.results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
-                        "history": [], "train_seconds": 0.0}
+                        "history": [], "train_seconds": 0.0, "guesses": guessed}
         if self.ckpt is not None:
             for name, obj in self.state.items():
                 obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
             self.log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {cfg.steps:,}")
-            self.results = self.ckpt["results"]
+            self.results = {**self.ckpt["results"], "guesses": guessed}  # a checkpoint written before guesses
         h, self.t_last = self.results["history"], time.time()
         return cfg.steps + 1 if h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"] + 1
 
@@ -1456,6 +1481,7 @@ def best_rows(label, cfgs, results, widths):
         lr = max(stats, key=lambda lr: (stats[lr]["acc"], stats[lr]["p_answer"]))
         cfg, best = max(by_lr[lr], key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
         rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": lr,
+                     "n_params": best.get("n_params"),
                      "run": cfg.run_name, **stats[lr], "paper_acc": paper_acc(cfg), "steps": best.get("steps_done"),
                      "paper_test_acc": paper_acc(cfg, test=True),  # the generalisation split's test documents
                      "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False),
@@ -1499,8 +1525,9 @@ def save_summary(out_dir, title, rows, log=print):
     pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
     spread = lambda s: (pm(s), f"{s['acc_min']:.2f}–{s['acc_max']:.2f}", f"{s['successes']}/{s['n']}")
     lines = [f"{title}: best learning rate per width (on the mean over seeds)", ""] + md_table(
-        ("run", "d", "best lr", "steps", "accuracy %", "min–max", "≥ 50 %", "paper %", "value", "key", "query",
-         "verdict"), [(r["label"], r["d_model"], f"{r['best_lr']:g}", f"{r['steps'] or 0:,}", *spread(r),
+        ("run", "d", "parameters", "best lr", "steps", "accuracy %", "min–max", "≥ 50 %", "paper %", "value", "key",
+         "query", "verdict"), [(r["label"], r["d_model"], f"{r.get('n_params') or 0:,}", f"{r['best_lr']:g}",
+                               f"{r['steps'] or 0:,}", *spread(r),
                       r["paper_acc"], *r["attribution"].values(), r["verdict"]) for r in rows])
     lines += ["", "every rate over seeds", "", *md_table(("run", "d", "lr", "accuracy %", "min–max", "≥ 50 %"), [
         (r["label"], r["d_model"], lr, *spread(s)) for r in rows for lr, s in r["acc_by_lr"].items()])] \
@@ -1594,11 +1621,14 @@ def plot(folder, log=print):
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
         groups.setdefault(r["label"], []).append(r)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, by_params) = plt.subplots(1, 2, figsize=(11, 4))
     for label, rs in groups.items():
         (line,) = ax.plot([r["d_model"] for r in rs], [r["acc"] for r in rs], "o-", label=label)
         paper = [(r["d_model"], r["paper_acc"]) for r in rs if r["paper_acc"] is not None]
         ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6) if paper else None
+        counted = [(r["n_params"], r["acc"]) for r in rs if r.get("n_params")]  # an older summary has none
+        by_params.plot(*zip(*counted), "o-", color=line.get_color(), label=label) if counted else None
+    by_params.set(xscale="log", ylim=(-2, 102), xlabel="parameters", ylabel="accuracy %", title="accuracy by parameters")
     ticks = sorted({r["d_model"] for r in rows})
     ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
            title="accuracy by width (x, dashed: the paper)")
@@ -1647,7 +1677,8 @@ def plot_history(folder, results, plt, log=print):
 
 def bench_steps(cfg, n=20, log=print, archs=None):
     """ms a training step of every architecture (or archs) at cfg's sizes (median of n), compiled too (3 rounds, fastest
-    kept), on the first batch_size documents."""
+    kept), on the first batch_size documents; its parameters, and the forward FLOPs a token of its blocks that torch's
+    FlopCounterMode counts: matrix products and convolutions (an FFT, element-wise ops and a scan's decays are free)."""
     device = setup(cfg)
     task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
     batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
@@ -1661,8 +1692,13 @@ def bench_steps(cfg, n=20, log=print, archs=None):
         t = [[kernels.timeit(lambda: train_step(model, optimizer, *batch, fn), device, n) for fn in fns]
              for _ in range(3 if cfg.compile else 1)]  # t[round][eager, compiled] = (ms, first call s)
         times[arch] = min(r[0][0] for r in t)
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as flops:
+            model.hidden(batch[0])
         line = f"{arch:<10} {times[arch]:8.2f} ms/step"
         line += f" {times[arch] / times['attention']:6.2f}x attention" if "attention" in times else ""
+        count = lambda module: f"{sum(p.numel() for p in module.parameters()):,}"
+        line += f" | {count(model):>9} parameters ({count(model.blocks):>7} in blocks), " \
+                f"{flops.get_total_flops() / batch[0].numel():>7,.0f} FLOPs a token"
         if cfg.compile:
             ms = min(r[1][0] for r in t)
             line += f" | compiled {ms:8.2f} ms, {times[arch] / ms:5.2f}x faster; first step {t[0][1][1]:.0f} s"

@@ -1,5 +1,6 @@
 """Tests for mecheval: tasks, model, training loop and command line. Quick on 2 CPU cores."""
 import bisect
+import collections
 import json
 import math
 import os
@@ -122,9 +123,12 @@ def atr_grammar(cfg):
     return m.Grammar(m.np.random.default_rng([cfg.seed, 2]), n_terminals, max_body)
 
 
-@pytest.mark.parametrize("setting", ["easy", "medium", "8192"])
-def test_atr_against_independent_trees(setting):
-    cfg = small_atr(atr_setting=setting, n_train=150, n_eval=20)
+@pytest.mark.parametrize("setting, query", [("easy", "parent"), ("medium", "parent"), ("8192", "parent"),
+                                            ("easy", "inner")])
+def test_atr_against_independent_trees(setting, query):
+    """Each document rebuilt from its own stream; inner queries: parent queries whose parent is not the root."""
+    cfg = small_atr(atr_setting=setting, atr_query=query, n_train=150, n_eval=20)
+    inner = query == "inner"
     task = m.make_task(cfg)
     grammar = atr_grammar(cfg)
     n_terminals = m.ATR_SETTINGS[setting][1]
@@ -135,7 +139,8 @@ def test_atr_against_independent_trees(setting):
         while True:  # replay the draws, rejecting as documented, until the accepted sentence
             leaves, parents = tree_yield_and_parents(replay_tree(grammar, r))
             last = {t: i for i, t in enumerate(leaves)}
-            if 3 <= len(leaves) <= m.MAX_LEN - 5 and any(parents[i] >= 0 for i in last.values()):
+            if 3 <= len(leaves) <= m.MAX_LEN - 5 and any(parents[i] >= 0 and (not inner or parents[parents[i]] >= 0)
+                                                         for i in last.values()):
                 break
         L = len(leaves)
         assert ids[n, 1:L + 1].tolist() == [t + 3 for t in leaves], "the yield matches the rebuilt tree"
@@ -144,6 +149,7 @@ def test_atr_against_independent_trees(setting):
         c, p = int(pos["key"][n]) - 1, int(pos["value"][n]) - 1
         assert parents[c] == p, "value is the parent of key in the rebuilt tree"
         assert p > c, "the parent lies to the right of the child"
+        assert not inner or (parents[p] >= 0 and p < L - 1), "an inner query's parent is not the root, the last token"
         assert last[leaves[c]] == c, "the queried child is the rightmost of its type"
         assert ids[n, pos["query"][n]] == leaves[c] + 3 and ids[n, pos["answer"][n]] == leaves[p] + 3
         assert pos["next_key"][n] == pos["key"][n] + 1 and pos["divider"][n] == L + 1
@@ -177,6 +183,28 @@ def test_atr_sibling_queries_against_independent_trees():
     assert 0 < selves < len(split), "some children answer themselves, some have a sibling to their right"
     with pytest.raises(m.ConfigError, match="corrupt=value needs a value in every document"):
         small_atr(atr_query="sibling", corrupt="value")
+
+
+@pytest.mark.parametrize("query", ["parent", "inner"])
+def test_guesses_that_never_read_the_key(query):
+    """The last token of the sentence, and the training documents' most frequent answer to the query's token."""
+    task = m.make_task(small_atr(atr_query=query, n_train=400, n_eval=60))
+    tr, ev = task.train, task.eval
+    got = m.guesses(task)
+    last = [ev.input_ids[n, ev.lengths[n] - 5] == ev.answers[n] for n in range(len(ev))]  # BOS sentence EOS q a EOS
+    assert got["last_token"] == pytest.approx(torch.stack(last).float().mean().item())
+    assert (got["last_token"] > 0.3) == (query == "parent")  # the root's head; never the answer of an inner query
+    counts = {}
+    for n in range(len(tr)):
+        q = int(tr.input_ids[n, tr.pos["query"][n]])
+        counts.setdefault(q, collections.Counter())[int(tr.answers[n])] += 1
+    surely = maybe = 0  # right whatever breaks a tie between the most frequent answers, and right for some break
+    for n in range(len(ev)):
+        c = counts.get(int(ev.input_ids[n, ev.pos["query"][n]]), collections.Counter())
+        top = [a for a, k in c.items() if k == max(c.values())]
+        surely += top == [int(ev.answers[n])]
+        maybe += int(ev.answers[n]) in top
+    assert surely <= round(got["prior"] * len(ev)) <= maybe and surely > 0
 
 
 def test_atr_tree_statistics_easy():
@@ -392,6 +420,8 @@ def test_trained_attention_shows_induction(trained_small_ar):
     mech = res["mechanism"]
     a = {(g["site"], g["layer"], g["position"]): g["attribution"] for g in mech["grid"]}
     assert mech["p_clean"] - mech["p_corrupt"] > 0.3
+    assert mech["acc_corrupt"] < 0.5 < res["final_acc"], "a corrupted key costs the answer"
+    assert 0.1 < res["guesses"]["last_token"] < 0.4, "the last of 4 pairs is queried about a quarter of the time"
     assert a["block_input", 1, "value"] >= 0.9, mech["verdict"]
     assert a["block_input", 1, "query"] <= 0.2, mech["verdict"]
     assert a["block_input", 0, "key"] == pytest.approx(1.0, abs=1e-4), "restoring the corrupted token itself"
@@ -576,6 +606,10 @@ def test_mechanism_batched_equals_one_document_at_a_time(task_name):
     clean, ans, q, lengths = task.eval.input_ids, task.eval.answers, task.eval.pos["query"], task.eval.lengths
     if task_name == "atr":
         assert lengths.min() < lengths.max(), "documents of several lengths, so some are padded"
+    with torch.no_grad():  # the corrupted run's accuracy, document by document
+        right = [m.answer_logits(model, base[n:n + 1, :int(lengths[n])], q[n:n + 1])[0].argmax() == ans[n]
+                 for n in range(len(clean))]
+    assert mech["acc_corrupt"] == pytest.approx(torch.stack(right).float().mean().item())
     for cell in mech["grid"][::5]:
         pos, ps = task.eval.pos[cell["position"]], []
         for n in range(len(clean)):
@@ -687,6 +721,8 @@ def test_verdict_edge_cases(cells, p_corrupt, want):
     (["--batch_size", "64", "--n_train", "10"], ["batch_size=64", "n_train=10"]),
     (["--lr", "-1"], ["lr", "-1"]),
     (["--warmup", "1"], ["warmup", "[0, 1)", "1.0"]),
+    (["--beta2", "1"], ["beta2", "[0, 1)", "1.0"]),
+    (["--task", "atr", "--atr_query", "root"], ["atr_query", "root", "parent, inner, sibling"]),
     (["--target_acc", "1.5"], ["target_acc", "[0, 1]", "1.5"]),
     (["--task", "atr", "--atr_split", "gen", "--atr_heldout", "0"], ["atr_heldout", "(0, 1)", "0.0"]),
     (["--pos_emb", "yes"], ["pos_emb", "yes", "auto, on, off"]),
@@ -723,7 +759,7 @@ def test_cli_rejects_bad_values(argv, words, capsys, tmp_path):
     (dict(d_model="16"), "d_model must be an integer, not '16'"), (dict(lr="1e-3"), "lr must be a number, not '1e-3'"),
     (dict(n_pairs=2.5), "n_pairs must be an integer, not 2.5"), (dict(steps=20.7), "steps must be an integer, not 20.7"),
     (dict(compile=1), "compile must be True or False, not 1"), (dict(seed=True), "seed must be an integer, not True"),
-    (dict(arch="mamba", d_conv=7), "d_conv=7 is not a width for mamba"),
+    (dict(arch="mamba", d_conv=2000), "d_conv=2000 is not a width for mamba; allowed: 0 to 1024"),
 ])
 def test_config_checks_types_in_one_sentence(kw, words):
     with pytest.raises(m.ConfigError, match=re.escape(words)):
@@ -835,6 +871,15 @@ def test_batch_order_is_a_run_setting(tmp_path):
         m.Run(m.replace(fixed, run_name=cfg.run_name), log=lambda s: None)  # a folder of the other order is refused
     with pytest.raises(m.ConfigError, match="unknown batch_order 'random'; allowed: shuffle, fixed"):
         m.replace(cfg, batch_order="random")
+
+
+def test_beta2_and_positions_name_their_run_and_reach_the_optimiser(tmp_path):
+    cfg = small_ar(d_model=8, steps=4, eval_every=1, target_acc=0, analyze=False, out_dir=str(tmp_path))
+    other = m.replace(cfg, beta2=0.95, run_name="")
+    assert m.replace(other, pos_emb="on", run_name="").run_name == cfg.run_name.replace("ar_", "ar_pos_on_b0.95_", 1)
+    a, b = (m.train(c, log=lambda s: None) for c in (cfg, other))
+    losses = [[h["loss"] for h in r["history"]] for r in (a, b)]
+    assert losses[0][:2] == losses[1][:2] and losses[0][2:] != losses[1][2:]  # Adam's first step ignores beta2
 
 
 def test_nan_loss_stops_with_message_and_keeps_files(tmp_path, capsys):
@@ -1205,7 +1250,7 @@ def test_every_architecture_learns_small_ar_and_atr(arch, tmp_path):
     loss_falls(dict(arch=arch, task="atr", n_train=2000), tmp_path)
 
 
-ABLATIONS = [("mamba", w) for w in "01234"] + [("based", w) for w in ["1", "2", "3", "4", "long"]]
+ABLATIONS = [("mamba", w) for w in ["0", "1", "2", "3", "4", "8"]] + [("based", w) for w in ["1", "2", "3", "4", "long"]]
 
 
 @pytest.mark.parametrize("arch, d_conv", ABLATIONS)
@@ -1234,7 +1279,9 @@ def test_a_conv_width_ablation_trains(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [
     (["--arch", "hyena", "--d_conv", "3"], ["d_conv", "arch=hyena"]),
-    (["--arch", "mamba", "--d_conv", "5"], ["d_conv=5", "0, 1, 2, 3, 4"]),
+    (["--arch", "mamba", "--d_conv", "1025"], ["d_conv=1025", "0 to 1024"]),
+    (["--arch", "deltanet", "--d_conv", "long"], ["d_conv=long", "0 to 1024"]),
+    (["--arch", "mamba", "--d_conv", ""], ["d_conv= ", "0 to 1024"]),
     (["--arch", "based", "--d_conv", "0"], ["d_conv=0", "long"]),
 ])
 def test_invalid_conv_widths_are_rejected(argv, words, capsys, tmp_path):
@@ -1399,6 +1446,11 @@ def test_bench_steps_times_every_architecture(capsys):
     for line, (arch, t) in zip(lines, times.items()):
         assert line.split()[1] == f"{t:.2f}" and line.split()[3] == f"{t / times['attention']:.2f}x"
         assert re.search(r" \| watch \d+ ms, \d+\.\d% of 2000 steps$", line), line  # the cost of analyze_every
+    model, d, L = m.build_model(m.Config(d_model=16), 19), 16, 9  # V = 3 + 8 keys + 8 values
+    count = lambda module: f"{sum(p.numel() for p in module.parameters()):,}"
+    flops = 2 * (24 * d * d + 4 * L * d)  # 2 layers: Wqkv 3d², out d², MLP 8d², 2 FLOPs a weight; q kᵀ and A v 2Ld each
+    assert re.search(rf"\| +{count(model)} parameters \( *{count(model.blocks)} in blocks\), +{flops:,} FLOPs a token",
+                     lines[0]), lines[0]
     assert m.main(["--bench", "--arch", "mamba", "--d_model", "16", "--n_pairs", "2", "--n_keys", "8", "--n_values", "8",
                    "--batch_size", "4", "--analyze_every", "0"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -1164,8 +1164,7 @@ def format_mechanism(mech):
     """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
     shade = " ░▒▓█"
     head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
-            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f} (accuracy "
-            f"{mech.get('acc_corrupt', math.nan):.3f})")
+            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f} (acc {mech['acc_corrupt']:.3f})")
     lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
     cells = {}
     for g in mech["grid"]:
@@ -1311,9 +1310,8 @@ class Run:
         self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
                  f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
         self.log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
-        guessed = guesses(task)  # what a model that never reads the key can reach
-        self.log(f"without the key: the last token is the answer in {guessed['last_token']:.1%} of evaluation "
-                 f"documents, the training documents' most frequent answer to the query in {guessed['prior']:.1%}")
+        guessed = guesses(task)  # what a model that never reads the key reaches
+        self.log("guessed without the key: " + ", ".join(f"{k} {v:.1%}" for k, v in guessed.items()))
         try:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
@@ -1628,7 +1626,7 @@ def plot(folder, log=print):
         ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6) if paper else None
         counted = [(r["n_params"], r["acc"]) for r in rs if r.get("n_params")]  # an older summary has none
         by_params.plot(*zip(*counted), "o-", color=line.get_color(), label=label) if counted else None
-    by_params.set(xscale="log", ylim=(-2, 102), xlabel="parameters", ylabel="accuracy %", title="accuracy by parameters")
+    by_params.set(xscale="log", ylim=(-2, 102), xlabel="parameters", title="accuracy by parameters")
     ticks = sorted({r["d_model"] for r in rows})
     ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
            title="accuracy by width (x, dashed: the paper)")

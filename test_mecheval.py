@@ -661,7 +661,7 @@ def test_corruption_draws_another_token_of_the_same_class():
 def fake_mech(n_layers, values, p_clean=0.9, p_corrupt=0.1):
     grid = [{"site": s, "layer": l, "position": k, "attribution": values.get((s, l, k), 0.0)}
             for l in range(n_layers) for s in m.SITES for k in m.POSITIONS]
-    return {"p_clean": p_clean, "p_corrupt": p_corrupt, "n_layers": n_layers, "grid": grid}
+    return {"p_clean": p_clean, "p_corrupt": p_corrupt, "acc_corrupt": 0.0, "n_layers": n_layers, "grid": grid}
 
 
 def test_verdict_reads_the_grid_like_the_paper():

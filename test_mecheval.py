@@ -422,6 +422,9 @@ def test_trained_attention_shows_induction(trained_small_ar):
     assert mech["p_clean"] - mech["p_corrupt"] > 0.3
     assert mech["acc_corrupt"] < 0.5 < res["final_acc"], "a corrupted key costs the answer"
     assert 0.1 < res["guesses"]["last_token"] < 0.4, "the last of 4 pairs is queried about a quarter of the time"
+    _, model = m.load_run(os.path.join(cfg.out_dir, cfg.run_name))
+    few = m.mechanism(model, m.make_task(cfg, train=False), seed=cfg.seed, cells=[("block_input", 1, "value")])
+    assert few["verdict"] is None and few["grid"][0]["attribution"] == pytest.approx(a["block_input", 1, "value"])
     assert a["block_input", 1, "value"] >= 0.9, mech["verdict"]
     assert a["block_input", 1, "query"] <= 0.2, mech["verdict"]
     assert a["block_input", 0, "key"] == pytest.approx(1.0, abs=1e-4), "restoring the corrupted token itself"
@@ -610,6 +613,9 @@ def test_mechanism_batched_equals_one_document_at_a_time(task_name):
         right = [m.answer_logits(model, base[n:n + 1, :int(lengths[n])], q[n:n + 1])[0].argmax() == ans[n]
                  for n in range(len(clean))]
     assert mech["acc_corrupt"] == pytest.approx(torch.stack(right).float().mean().item())
+    few = m.mechanism(model, task, "key", seed=5, cells=[("block_input", 1, "value")])
+    cell = next(g for g in mech["grid"] if (g["site"], g["layer"], g["position"]) == ("block_input", 1, "value"))
+    assert few["grid"] == [cell]  # one cell alone reads as it does in the whole grid
     for cell in mech["grid"][::5]:
         pos, ps = task.eval.pos[cell["position"]], []
         for n in range(len(clean)):

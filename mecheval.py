@@ -1595,6 +1595,9 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None,
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
+    clash = sorted({k for _, settings in table[name] for k, v in settings.items() if k in args and args[k] != v})
+    if clash:  # the preset's own settings win: a flag that differs would be ignored
+        raise ConfigError(f"preset {name} sets {', '.join(clash)} itself; leave out --{' and --'.join(clash)}")
     out_dir = Config(**args).out_dir
     widths, seeds = widths or PAPER_WIDTHS, seeds or ((0, 1, 2) if name == "seeds" else None)
     entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))

@@ -1559,6 +1559,10 @@ def test_preset_from_the_command_line_sweeps_each_entry_into_its_folder(tmp_path
                                                               ("deltanet", 1, "ar_deltanet_d8_l2_lr0.001_s1")]
     monkeypatch.undo()
     assert m.main(["--preset", "nope"]) == 2 and "allowed: ar, atr_easy" in capsys.readouterr().err
+    monkeypatch.setattr(m, "run_sweeps", lambda *a, **k: "swept")
+    assert m.main(["--preset", "ar", "--arch", "mamba"]) == 2  # a flag the preset would ignore is refused
+    assert "preset ar sets arch itself; leave out --arch" in capsys.readouterr().err
+    assert m.run_preset("ar", dict(task="ar"), widths=(8,)) == "swept"  # one that agrees with it is kept
 
 
 @pytest.mark.parametrize("arch", ["mamba", "mamba in chunks", "deltanet", "hyena"])

@@ -2,8 +2,8 @@
 kernels.py: the expensive sequence operations of mecheval's mixers, each as a plain reference (the
 definition you learn from) beside a fast form that gives the same outputs and gradients.
 
-Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the short and the
-Toeplitz convolutions, whose backward is written out (checked with gradcheck in the tests).
+Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the Toeplitz convolution,
+whose backward is written out (checked with gradcheck in the tests).
 `python kernels.py` benchmarks reference vs fast forward + backward. mecheval.py --compile compiles them.
 """
 import functools
@@ -26,35 +26,11 @@ def short_conv_ref(x, w, b=None):
     return y if b is None else y + b
 
 
-def _short_conv_conv1d(x, w, b):
+def short_conv(x, w, b=None):
+    """The same as one depthwise F.conv1d (a group per channel) over the input padded with k-1 zeros."""
     k = w.shape[1]
     y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), w[:, None, :], b, groups=w.shape[0])  # (B, C, L)
     return y.transpose(1, 2)
-
-
-class _ShortConv(torch.autograd.Function):
-    """Depthwise F.conv1d forward; the backward written out, because conv1d's own depthwise backward
-    is ~4x its forward on a CPU: ∂x is the same convolution run backwards in time, ∂w[:, i] is the sum of
-    ∂y times the input shifted by k-1-i, ∂b the sum of ∂y."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        return _short_conv_conv1d(x, w, b)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, gy):
-        x, w = ctx.saved_tensors
-        k, L = w.shape[1], x.shape[1]
-        gx = _short_conv_conv1d(gy.flip(1), w, None).flip(1)   # ∂x[t] = Σ_i w[:, i] ∂y[t + k-1-i]
-        xp = F.pad(x, (0, 0, k - 1, 0))
-        gw = torch.stack([(xp[:, i:i + L] * gy).sum((0, 1)) for i in range(k)], dim=1)
-        return gx, gw, gy.sum((0, 1)) if ctx.has_bias else None
-
-
-short_conv = _ShortConv.apply  # (x, w, b): the fast short convolution
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2,13 +2,12 @@
 kernels.py: the expensive sequence operations of mecheval's mixers, each as a plain reference (the
 definition you learn from) beside a fast form that gives the same outputs and gradients.
 
-Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the Toeplitz convolution,
-whose backward is written out (checked with gradcheck in the tests).
-`python kernels.py` benchmarks reference vs fast forward + backward. mecheval.py --compile compiles them.
+Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd, except the Toeplitz
+convolution, whose backward is written out. mecheval.py --compile compiles them. test_mecheval.py tests each
+fast form against its reference, and `python test_mecheval.py kernels` times the two.
 """
 import functools
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +76,8 @@ class _ToeplitzConv(torch.autograd.Function):
 
 
 def long_conv(u, h):
-    """Fast long convolution: up to L = 128 (every AR document, most ATR ones; the README has the
-    crossover) by the causal Toeplitz matrix, beyond by the FFT of size 2L, whose zero-padding makes
-    the circular convolution causal."""
+    """Fast long convolution: up to L = 128 (every AR document, most ATR ones) by the causal Toeplitz
+    matrix, beyond by the FFT of size 2L, whose zero-padding makes the circular convolution causal."""
     L = u.shape[1]
     if L <= 128:
         return _ToeplitzConv.apply(u, h)
@@ -265,53 +263,3 @@ def delta_rule(q, k, v, beta, chunk=64):
         if i < n - 1:
             S = k_[:, i].transpose(1, 2) @ u if S is None else S + k_[:, i].transpose(1, 2) @ u
     return torch.cat(out, dim=1)[:, :L]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Benchmark: python kernels.py
-
-def _inputs(op, B, L, d, gen):
-    r, E = (lambda *s: torch.randn(*s, generator=gen)), 2 * d
-    op = op.replace("_parallel", "").replace("_chunked", "")  # the scan's three forms take the same inputs
-    return {"short_conv": lambda: [r(B, L, E), r(E, 4), r(E)], "long_conv": lambda: [r(B, L, d), r(d, L) * 0.1],
-            "based_attention": lambda: [r(B, L, 8), r(B, L, 8), r(B, L, d)],
-            "selective_scan": lambda: [r(B, L, E), F.softplus(r(B, L, E)), -torch.rand(E, 16, generator=gen) * 4,
-                                       r(B, L, 16), r(B, L, 16), r(E)],
-            "delta_rule": lambda: [F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1), r(B, L, d),
-                                   torch.rand(B, L, generator=gen)]}[op]()
-
-
-PAIRS = {"short_conv": (short_conv_ref, short_conv), "long_conv": (long_conv_ref, long_conv),
-         "based_attention": (based_attention_ref, based_attention),
-         "selective_scan": (selective_scan_ref, selective_scan),
-         "selective_scan_parallel": (selective_scan_ref, selective_scan_parallel),
-         "selective_scan_chunked": (selective_scan_ref, selective_scan_chunked),
-         "delta_rule": (delta_rule_ref, delta_rule)}
-
-
-def timeit(fn, device="cpu", reps=11):
-    """(median ms of reps calls of fn, seconds of the first call, which warms up or compiles). The median
-    is robust to a busy machine; a call of over a second (a slow reference) is repeated 3 times at most."""
-    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device[:4], lambda: None)
-    times = []
-    while len(times) < 1 + (min(reps, 3) if times and times[0] > 1.0 else reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]
-
-
-if __name__ == "__main__":
-    torch.set_flush_denormal(True)
-    for device in ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available():
-        reps, gen = 11 if device == "cpu" else 20, torch.Generator().manual_seed(0)
-        print(f"kernels.py benchmark on {device}: forward + backward, median ms of {reps} calls (B, L, d); "
-              f"ratio = reference / fast")
-        print(f"{'op':<24}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}")
-        for op, (ref, fast) in PAIRS.items():
-            for B, L, d in ((32, 37, 64), (32, 200, 64)):
-                args = [a.to(device).requires_grad_(a.is_floating_point()) for a in _inputs(op, B, L, d, gen)]
-                t_ref, t_fast = (timeit(lambda: fn(*args).sum().backward(), device, reps)[0] for fn in (ref, fast))
-                print(f"{op:<24}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x")

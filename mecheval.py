@@ -11,7 +11,7 @@ answer is stored at the value token) or by direct retrieval (computed at the que
 
 Reading order: config -> tasks (AR, ATR) -> one whole model, attention its mixer -> training -> interchange
 interventions and the verdict (a first read may stop there) -> the other mixers, a catalogue -> machinery:
-validation, run folders, sweeps and presets, plots, benchmark, command line. kernels.py holds the fast
+validation, run folders, sweeps and presets, plots, command line. kernels.py holds the fast
 forms of the expensive sequence operations, each beside its plain definition.
 
 Words: a document's named positions are key, value, next_key (the following pair's key), divider (the EOS
@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.flop_counter
 
 import kernels
 
@@ -403,9 +402,8 @@ class Attention(nn.Module):
         o = softmax(q kᵀ / √d + mask) v    mask[t, s] = -1e4 for s > t
         out = o W_oᵀ + b_o                 (out_proj has a bias, as zoology's)
 
-    The fast path is scaled_dot_product_attention; `reference=True` runs the softmax above (identical in fp32, tested).
+    scaled_dot_product_attention computes the softmax above (the tests check it against the formula).
     """
-    reference = False
 
     def __init__(self, cfg, layer_idx):
         super().__init__()
@@ -415,14 +413,7 @@ class Attention(nn.Module):
 
     def forward(self, u):                          # (B, L, d)
         q, k, v = self.Wqkv(u).chunk(3, dim=-1)    # 3 x (B, L, d)
-        if self.reference:
-            L = u.shape[1]
-            scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, L, L)
-            mask = torch.triu(torch.full((L, L), -10000.0, device=u.device), diagonal=1)
-            o = torch.softmax(scores + mask, dim=-1) @ v             # (B, L, d)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out_proj(o)
+        return self.out_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 class ShortConv(nn.Conv1d):
@@ -574,7 +565,7 @@ def answer_loss(model, ids, query, answer):
 def step_loss(compile, device):
     if not compile:
         return answer_loss
-    torch._dynamo.reset()  # one model per compile cache: a run, or each architecture of --bench
+    torch._dynamo.reset()  # one model per compile cache: a run, or each architecture the step benchmark times
     mode = "reduce-overhead" if device.startswith("cuda") else None  # CUDA graphs; forward and backward compile
     return torch.compile(answer_loss, mode=mode, dynamic=False)
 
@@ -1092,8 +1083,7 @@ class H3(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The rest is machinery: validation, run folders and resume, sweeps and presets, plots, benchmark,
-# command line.
+# The rest is machinery: validation, run folders and resume, sweeps and presets, plots, command line.
 
 def config_errors(c):
     """(is it wrong, what to say) for the settings of Config c, checked in this order."""
@@ -1679,40 +1669,6 @@ def plot_history(folder, results, plt, log=print):
     save_figures(folder, {"formation.png": fig}, plt, log)
 
 
-def bench_steps(cfg, n=20, log=print, archs=None):
-    """ms a training step of every architecture (or archs) at cfg's sizes (median of n), compiled too (3 rounds, fastest
-    kept), on the first batch_size documents; its parameters, and the forward FLOPs a token of its blocks that torch's
-    FlopCounterMode counts: matrix products and convolutions (an FFT, element-wise ops and a scan's decays are free)."""
-    device = setup(cfg)
-    task = make_task(replace(cfg, n_train=cfg.batch_size, n_eval=1))
-    batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
-    watched = make_task(replace(cfg, n_train=cfg.n_eval)) if cfg.analyze_every else None  # what watch reads
-    log(f"training step, {cfg.task}, L={batch[0].shape[1]}, d={cfg.d_model}, {cfg.n_layers} layers, "
-        f"B={cfg.batch_size}, {device}, {n} steps")
-    times = {}
-    for arch in archs or ARCHS:
-        model = build_model(replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
-        optimizer, fns = adamw(model, 1e-4), [answer_loss] + [step_loss(True, device)] * cfg.compile
-        t = [[kernels.timeit(lambda: train_step(model, optimizer, *batch, fn), device, n) for fn in fns]
-             for _ in range(3 if cfg.compile else 1)]  # t[round][eager, compiled] = (ms, first call s)
-        times[arch] = min(r[0][0] for r in t)
-        with torch.utils.flop_counter.FlopCounterMode(display=False) as flops:
-            model.hidden(batch[0])
-        line = f"{arch:<10} {times[arch]:8.2f} ms/step"
-        line += f" {times[arch] / times['attention']:6.2f}x attention" if "attention" in times else ""
-        count = lambda module: f"{sum(p.numel() for p in module.parameters()):,}"
-        line += f" | {count(model):>9} parameters ({count(model.blocks):>7} in blocks), " \
-                f"{flops.get_total_flops() / batch[0].numel():>7,.0f} FLOPs a token"
-        if cfg.compile:
-            ms = min(r[1][0] for r in t)
-            line += f" | compiled {ms:8.2f} ms, {times[arch] / ms:5.2f}x faster; first step {t[0][1][1]:.0f} s"
-        if cfg.analyze_every:  # the cost of watch, against the steps between two checks
-            ms = kernels.timeit(lambda: watch(model, watched, cfg), device, 5)[0]
-            line += f" | watch {ms:.0f} ms, {ms / (cfg.analyze_every * times[arch]):.1%} of {cfg.analyze_every} steps"
-        log(line)
-    return times
-
-
 # ----------------------------------------------------------------------------------------------------
 # Command line: one flag per Config field, plus --load.
 
@@ -1758,7 +1714,6 @@ def parse_args(argv=None):
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets())),
             ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
             ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
-            ("bench", dict(action="store_true"), "time a training step of every architecture, relative to attention"),
             ("plot", dict(metavar="DIR"), "draw the PNGs of a sweep or preset folder (needs matplotlib)")):
         p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
     return vars(p.parse_args(argv))
@@ -1786,16 +1741,14 @@ def evaluate_run(run_dir, args, log=print):
 def main(argv=None):
     args = parse_args(argv)
     grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds", "jobs", "shard") if k in args}  # sweep flags
-    flags = {k: args.pop(k) for k in ("sweep", "preset", "bench", "plot", "load") if k in args}
+    flags = {k: args.pop(k) for k in ("sweep", "preset", "plot", "load") if k in args}
     try:
         if grid.get("jobs", 1) < 1:
             raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
         if len(flags) > 1 or ("plot" in flags and args):  # one would be ignored
             raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one" if len(flags) > 1 else
                               f"--plot takes a folder and nothing else, not --{' --'.join(args)}")
-        if flags.get("bench"):
-            bench_steps(Config(**args), archs=[args["arch"]] if "arch" in args else None)  # --arch: that one only
-        elif "plot" in flags:
+        if "plot" in flags:
             plot(flags["plot"])
         elif "preset" in flags:
             run_preset(flags["preset"], args, **grid)

@@ -1,6 +1,7 @@
 """Tests for mecheval: tasks, model, training loop and command line. Quick on 2 CPU cores."""
 import bisect
 import collections
+import contextlib
 import json
 import math
 import os
@@ -8,6 +9,8 @@ import random
 import re
 import subprocess
 import sys
+import time
+import unittest.mock
 
 import pytest
 import torch
@@ -300,6 +303,19 @@ def test_same_seed_same_first_losses(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- model
 
+def sdpa_reference(q, k, v, is_causal=True):
+    """Attention's formula, o = softmax(q kᵀ / √d + mask) v with mask[t, s] = -1e4 for s > t, written out: the
+    reference of F.scaled_dot_product_attention (patched in by with_reference_attention)."""
+    assert is_causal
+    L = q.shape[-2]
+    mask = torch.triu(torch.full((L, L), -10000.0, device=q.device), diagonal=1)
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, dim=-1) @ v
+
+
+def with_reference_attention():
+    return unittest.mock.patch.object(m.F, "scaled_dot_product_attention", sdpa_reference)
+
+
 def test_attention_fast_equals_reference_outputs_and_grads():
     torch.manual_seed(0)
     att = m.Attention(m.Config(d_model=16), 0)
@@ -308,13 +324,12 @@ def test_attention_fast_equals_reference_outputs_and_grads():
         gy = torch.randn(3, T, 16)
         outs = []
         for ref in (False, True):
-            att.reference = ref
             x.grad = None
             att.zero_grad()
-            y = att(x)
+            with with_reference_attention() if ref else contextlib.nullcontext():
+                y = att(x)
             y.backward(gy)
             outs.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in att.parameters()]))
-        att.reference = False
         (y0, gx0, gp0), (y1, gx1, gp1) = outs
         torch.testing.assert_close(y0, y1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gx0, gx1, rtol=1e-5, atol=1e-6)
@@ -1077,6 +1092,28 @@ def test_device_auto_prefers_cuda_then_mps_then_cpu(cuda, mps, want, monkeypatch
 # -------------------------------------------------------------------------------- kernels and mixers
 
 import kernels  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.utils.flop_counter  # noqa: E402
+
+
+def _inputs(op, B, L, d, gen):
+    """Random inputs of kernel op (its reference and fast forms take the same) at batch B, length L, width d."""
+    r, E = (lambda *s: torch.randn(*s, generator=gen)), 2 * d
+    op = op.replace("_parallel", "").replace("_chunked", "")  # the scan's three forms take the same inputs
+    return {"short_conv": lambda: [r(B, L, E), r(E, 4), r(E)], "long_conv": lambda: [r(B, L, d), r(d, L) * 0.1],
+            "based_attention": lambda: [r(B, L, 8), r(B, L, 8), r(B, L, d)],
+            "selective_scan": lambda: [r(B, L, E), F.softplus(r(B, L, E)), -torch.rand(E, 16, generator=gen) * 4,
+                                       r(B, L, 16), r(B, L, 16), r(E)],
+            "delta_rule": lambda: [F.normalize(r(B, L, d), dim=-1), F.normalize(r(B, L, d), dim=-1), r(B, L, d),
+                                   torch.rand(B, L, generator=gen)]}[op]()
+
+
+PAIRS = {"short_conv": (kernels.short_conv_ref, kernels.short_conv), "long_conv": (kernels.long_conv_ref, kernels.long_conv),
+         "based_attention": (kernels.based_attention_ref, kernels.based_attention),
+         "selective_scan": (kernels.selective_scan_ref, kernels.selective_scan),
+         "selective_scan_parallel": (kernels.selective_scan_ref, kernels.selective_scan_parallel),
+         "selective_scan_chunked": (kernels.selective_scan_ref, kernels.selective_scan_chunked),
+         "delta_rule": (kernels.delta_rule_ref, kernels.delta_rule)}  # op -> (reference, fast form)
 
 
 def check_pair(ref, fast, args, rtol=1e-4, atol=1e-5, dtypes=(torch.float64, torch.float32), **kw):
@@ -1105,18 +1142,18 @@ def check_pair(ref, fast, args, rtol=1e-4, atol=1e-5, dtypes=(torch.float64, tor
                 torch.testing.assert_close(a, b, rtol=rtol, atol=scale(b), msg=f"gradient of input {i}")
 
 
-@pytest.mark.parametrize("op", sorted(kernels.PAIRS))
+@pytest.mark.parametrize("op", sorted(PAIRS))
 @pytest.mark.parametrize("L", [1, 7, 37, 65, 200])
 def test_kernel_fast_equals_reference(op, L):
-    ref, fast = kernels.PAIRS[op]
-    args = kernels._inputs(op, 3, L, 16, torch.Generator().manual_seed(L))
+    ref, fast = PAIRS[op]
+    args = _inputs(op, 3, L, 16, torch.Generator().manual_seed(L))
     check_pair(ref, fast, args)
 
 
 @pytest.mark.parametrize("chunk", [4, 16, 64])
 def test_delta_rule_chunk_sizes_and_extreme_betas(chunk):
     gen = torch.Generator().manual_seed(chunk)
-    q, k, v, _ = kernels._inputs("delta_rule", 2, 37, 8, gen)
+    q, k, v, _ = _inputs("delta_rule", 2, 37, 8, gen)
     for beta in (torch.full((2, 37), 1e-4), torch.full((2, 37), 1 - 1e-4), torch.rand(2, 37, generator=gen)):
         check_pair(kernels.delta_rule_ref, lambda *a: kernels.delta_rule(*a, chunk=chunk), [q, k, v, beta])
 
@@ -1130,7 +1167,7 @@ def test_hand_written_backward_passes_gradcheck():
 
 @pytest.mark.parametrize("fast", [kernels.selective_scan, kernels.selective_scan_parallel])
 def test_selective_scan_large_delta(fast):
-    x, delta, A, B, C, D = kernels._inputs("selective_scan", 2, 37, 8, torch.Generator().manual_seed(0))
+    x, delta, A, B, C, D = _inputs("selective_scan", 2, 37, 8, torch.Generator().manual_seed(0))
     check_pair(kernels.selective_scan_ref, fast, [x, delta * 50 + 5, A, B, C, D])  # exp(ΔA) underflows to 0
 
 
@@ -1154,7 +1191,7 @@ def aten_ops(fn, args):
 
 def test_parallel_scan_launches_few_ops_that_grow_with_log_length():
     gen = torch.Generator().manual_seed(0)
-    at = lambda fn, L: aten_ops(fn, kernels._inputs("selective_scan", 32, L, 64, gen))  # (B, L, E, N) = (32, L, 128, 16)
+    at = lambda fn, L: aten_ops(fn, _inputs("selective_scan", 32, L, 64, gen))  # (B, L, E, N) = (32, L, 128, 16)
     loop, parallel = at(kernels.selective_scan, 37), at(kernels.selective_scan_parallel, 37)
     assert parallel <= 150 < 700 < loop, (parallel, loop)
     assert at(kernels.selective_scan_parallel, 74) - parallel <= 20 < at(kernels.selective_scan, 74) - loop  # one round: 16
@@ -1165,8 +1202,8 @@ def test_loop_free_kernels_compile_with_fullgraph():
     gen = torch.Generator().manual_seed(0)
     torch._dynamo.reset()
     for op in ("selective_scan_parallel", "delta_rule"):
-        ref, fast = kernels.PAIRS[op]
-        check_pair(ref, torch.compile(fast, fullgraph=True), kernels._inputs(op, 2, 9, 8, gen), dtypes=(torch.float32,))
+        ref, fast = PAIRS[op]
+        check_pair(ref, torch.compile(fast, fullgraph=True), _inputs(op, 2, 9, 8, gen), dtypes=(torch.float32,))
 
 
 def test_long_conv_is_causal_and_cuts_long_filters():
@@ -1441,24 +1478,20 @@ def test_h3_shift_kernel_is_the_cross_correlation(d_state, L):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def test_bench_steps_times_every_architecture(capsys):
-    times = m.bench_steps(m.Config(d_model=16, n_pairs=2, n_keys=8, n_values=8, batch_size=4), n=1)
-    lines = capsys.readouterr().out.splitlines()[1:]
-    assert [l.split()[0] for l in lines] == list(times) == ["attention", "based", "mamba", "deltanet", "base_conv",
-                                                            "hyena", "h3"]  # the file's order
-    for line, (arch, t) in zip(lines, times.items()):
-        assert line.split()[1] == f"{t:.2f}" and line.split()[3] == f"{t / times['attention']:.2f}x"
-        assert re.search(r" \| watch \d+ ms, \d+\.\d% of 2000 steps$", line), line  # the cost of analyze_every
-    model, d, L = m.build_model(m.Config(d_model=16), 19), 16, 9  # V = 3 + 8 keys + 8 values
-    count = lambda module: f"{sum(p.numel() for p in module.parameters()):,}"
-    flops = 2 * (24 * d * d + 4 * L * d)  # 2 layers: Wqkv 3d², out d², MLP 8d², 2 FLOPs a weight; q kᵀ and A v 2Ld each
-    assert re.search(rf"\| +{count(model)} parameters \( *{count(model.blocks)} in blocks\), +{flops:,} FLOPs a token",
-                     lines[0]), lines[0]
-    assert m.main(["--bench", "--arch", "mamba", "--d_model", "16", "--n_pairs", "2", "--n_keys", "8", "--n_values", "8",
-                   "--batch_size", "4", "--analyze_every", "0"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert "L=9," in out[0] and len(out) == 2 and out[1].split()[0] == "mamba"  # that one only, no ratio to attention
-    assert "attention" not in out[1] and "watch" not in out[1]
+def test_parameter_and_flop_counts_of_the_step_benchmark():
+    """What `python test_mecheval.py steps` prints beside its times, on any torch: attention's blocks at d = 16 and
+    64 (the README's column) by hand, and every architecture counted from its blocks."""
+    for d, L in ((16, 9), (64, 37)):
+        model = m.build_model(m.Config(d_model=d), 100)
+        params, in_blocks, flops = counts(model, torch.randint(3, 100, (2, L)))
+        assert in_blocks == sum(p.numel() for p in model.blocks.parameters()) and params == in_blocks + 100 * d + 2 * d + \
+            m.MAX_LEN * d  # + the embedding, the final LayerNorm and the positions
+        assert flops == 2 * (24 * d * d + 4 * L * d)  # 2 layers: Wqkv 3d², out d², MLP 8d², 2 FLOPs a weight; q kᵀ, A v
+    assert counts(m.build_model(m.Config(arch="mamba", d_model=64), 100), torch.randint(3, 100, (2, 37)))[1] == 65_408
+    usage = subprocess.run([sys.executable, __file__, "nothing"], capture_output=True, text=True, cwd=HERE)
+    assert usage.returncode == 2 and "usage: python test_mecheval.py kernels | steps" in usage.stderr
+    wrong = subprocess.run([sys.executable, __file__, "steps", "--sweep"], capture_output=True, text=True, cwd=HERE)
+    assert wrong.returncode == 2 and wrong.stderr.strip() == "error: --sweep does not time steps; give Config flags only"
 
 
 def test_presets_expand_to_the_paper_grids():
@@ -1692,3 +1725,95 @@ def test_a_mixer_that_breaks_the_contract_is_refused_in_one_sentence(monkeypatch
             m.build_model(m.Config(arch=arch, d_model=16), 20)
     with pytest.raises(m.ConfigError, match=r"register\('bad', lr=-1\): the default learning rate must be a positive"):
         m.register("bad", lr=-1)
+
+
+# ---------------------------------------------------------------------------------------------- benchmarks
+# Not run by pytest: `python test_mecheval.py kernels` times each kernel's reference and fast form;
+# `python test_mecheval.py steps [mecheval's flags]` a training step of every architecture (--arch: that one).
+
+def timeit(fn, device="cpu", reps=11):
+    """(median ms of reps calls of fn, seconds of the first call, which warms up or compiles). The median
+    is robust to a busy machine; a call of over a second (a slow reference) is repeated 3 times at most."""
+    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device[:4], lambda: None)
+    times = []
+    while len(times) < 1 + (min(reps, 3) if times and times[0] > 1.0 else reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times[1:])[len(times[1:]) // 2], times[0]
+
+
+def bench_kernels():
+    torch.set_flush_denormal(True)
+    for device in ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available():
+        reps, gen = 11 if device == "cpu" else 20, torch.Generator().manual_seed(0)
+        print(f"kernels benchmark on {device}: forward + backward, median ms of {reps} calls (B, L, d); "
+              f"ratio = reference / fast")
+        print(f"{'op':<24}{'shape':>14}{'reference':>11}{'fast':>9}{'ratio':>8}")
+        for op, (ref, fast) in PAIRS.items():
+            for B, L, d in ((32, 37, 64), (32, 200, 64)):
+                args = [a.to(device).requires_grad_(a.is_floating_point()) for a in _inputs(op, B, L, d, gen)]
+                t_ref, t_fast = (timeit(lambda: fn(*args).sum().backward(), device, reps)[0] for fn in (ref, fast))
+                print(f"{op:<24}{str((B, L, d)):>14}{t_ref:11.2f}{t_fast:9.2f}{t_ref / t_fast:7.1f}x")
+
+
+def counts(model, ids):
+    """(parameters, those in blocks, forward FLOPs a token of the blocks): what FlopCounterMode counts, matrix
+    products and convolutions (an FFT, element-wise ops and a scan's decays are free), with attention written out
+    (torch 2.14 no longer counts scaled_dot_product_attention's products; 2.13 counted them the same)."""
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as flops, with_reference_attention(), torch.no_grad():
+        model.hidden(ids)
+    n = lambda module: sum(p.numel() for p in module.parameters())
+    return n(model), n(model.blocks), flops.get_total_flops() / ids.numel()
+
+
+def bench_steps(cfg, n=20, archs=None):
+    """ms a training step of every architecture (or archs) at cfg's sizes (median of n), compiled too (3 rounds,
+    fastest kept), on the first batch_size documents; its counts; with analyze_every, the cost of watch."""
+    device = m.setup(cfg)
+    task = m.make_task(m.replace(cfg, n_train=cfg.batch_size, n_eval=1))
+    batch = [t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers)]
+    watched = m.make_task(m.replace(cfg, n_train=cfg.n_eval)) if cfg.analyze_every else None  # what watch reads
+    print(f"training step, {cfg.task}, L={batch[0].shape[1]}, d={cfg.d_model}, {cfg.n_layers} layers, "
+          f"B={cfg.batch_size}, {device}, {n} steps")
+    times = {}
+    for arch in archs or m.ARCHS:
+        model = m.build_model(m.replace(cfg, arch=arch, lr=0.0, d_conv="auto", run_name=""), task.vocab_size).to(device)
+        optimizer, fns = m.adamw(model, 1e-4), [m.answer_loss] + [m.step_loss(True, device)] * cfg.compile
+        t = [[timeit(lambda: m.train_step(model, optimizer, *batch, fn), device, n) for fn in fns]
+             for _ in range(3 if cfg.compile else 1)]  # t[round][eager, compiled] = (ms, first call s)
+        times[arch] = min(r[0][0] for r in t)
+        line = f"{arch:<10} {times[arch]:8.2f} ms/step"
+        line += f" {times[arch] / times['attention']:6.2f}x attention" if "attention" in times else ""
+        params, in_blocks, flops = counts(model, batch[0])
+        line += f" | {params:>9,} parameters ({in_blocks:>7,} in blocks), {flops:>7,.0f} FLOPs a token"
+        if cfg.compile:
+            ms = min(r[1][0] for r in t)
+            line += f" | compiled {ms:8.2f} ms, {times[arch] / ms:5.2f}x faster; first step {t[0][1][1]:.0f} s"
+        if cfg.analyze_every:  # the cost of watch, against the steps between two checks
+            ms = timeit(lambda: m.watch(model, watched, cfg), device, 5)[0]
+            line += f" | watch {ms:.0f} ms, {ms / (cfg.analyze_every * times[arch]):.1%} of {cfg.analyze_every} steps"
+        print(line)
+    return times
+
+
+if __name__ == "__main__":
+    what, flags = sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2:]
+    if what == "kernels" and not flags:
+        bench_kernels()
+    elif what == "steps":
+        args = m.parse_args(flags)
+        other = [k for k in args if k not in {f.name for f in m.fields(m.Config)}]
+        try:
+            if other:
+                raise m.ConfigError(f"--{other[0]} does not time steps; give Config flags only")
+            bench_steps(m.Config(**args), archs=[args["arch"]] if "arch" in args else None)  # --arch: that one only
+        except m.ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    else:
+        print("usage: python test_mecheval.py kernels | steps [mecheval's flags, e.g. --arch mamba --compile]",
+              file=sys.stderr)
+        sys.exit(2)

@@ -6,7 +6,6 @@ Layouts are (B, L, C), as in the mixers. All are differentiable: plain autograd,
 convolution, whose backward is written out. mecheval.py --compile compiles them. test_mecheval.py tests each
 fast form against its reference, and `python test_mecheval.py kernels` times the two.
 """
-import functools
 import math
 
 import torch
@@ -166,44 +165,16 @@ def selective_scan_ref(x, delta, A, B, C, D):
     return torch.stack(ys, dim=1) + x * D
 
 
-def _scan_steps(s, delta, dx, B, C, A):
-    """The recurrence from state s (B, E, N) over the steps of delta, dx = Δ ⊙ x (B, T, E) and B, C (B, T, N):
-    (y (B, T, E) without D x, the last state)."""
-    ys = []
-    for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), dx.unbind(1), B.unbind(1), C.unbind(1)):
-        s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B
-        ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, E)
-    return torch.stack(ys, dim=1), s
-
-
 def selective_scan(x, delta, A, B, C, D):
     """The same, one time step at a time on (B, E, N) slices: the decay, the input and the readout are
     formed inside the loop, so no (B, L, E, N) tensor is ever built, in forward or in backward. The
     loop walks unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero tensor per
     step in backward)."""
-    return _scan_steps(x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), delta, delta * x, B, C, A)[0] + x * D
-
-
-SCAN_CHUNK = 32  # the most steps of a compiled chunk of the scan
-
-
-@torch.compiler.disable  # a compiled model calls it as it is: compiling the loop whole unrolls all L steps
-def selective_scan_chunked(x, delta, A, B, C, D):
-    """The same with the loop compiled as a graph of T <= SCAN_CHUNK steps, run over the sequence chunk by chunk
-    (zero-padded: Δ = 0 keeps the state), so that compiling takes about as long at any L (--compile on a CPU)."""
-    L, steps = x.shape[1], _compiled_steps()
-    T = -(-L // -(-L // SCAN_CHUNK))  # the fewest chunks of at most SCAN_CHUNK steps, as even as padding allows
-    delta, dx, B, C = (F.pad(t, (0, 0, 0, -L % T)) for t in (delta, delta * x, B, C))
     s, ys = x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), []
-    for i in range(0, delta.shape[1], T):
-        y, s = steps(s, delta[:, i:i + T], dx[:, i:i + T], B[:, i:i + T], C[:, i:i + T], A)
-        ys.append(y)
-    return torch.cat(ys, dim=1)[:, :L] + x * D
-
-
-@functools.cache  # made on first use: torch.compile imports its compiler
-def _compiled_steps():
-    return torch.compile(_scan_steps, dynamic=False)
+    for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), (delta * x).unbind(1), B.unbind(1), C.unbind(1)):
+        s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B
+        ys.append(torch.bmm(s, C_t[..., None])[..., 0])                  # (B, E)
+    return torch.stack(ys, dim=1) + x * D
 
 
 def selective_scan_parallel(x, delta, A, B, C, D):

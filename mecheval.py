@@ -23,7 +23,6 @@ The SSM parameters keep the papers' names A, B, C, D and Δ; they are tensors, n
 input, h a convolution filter, and * causal convolution over time: (h * u)_t = Σ_{s<=t} h_{t-s} u_s.
 """
 import argparse
-import collections
 import functools
 import json
 import math
@@ -83,7 +82,7 @@ class Config:
     d_model: int = setting(64, "model width d")
     n_layers: int = setting(2, "number of residual blocks")
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
-    d_conv: str = setting("auto", "short-conv width: mamba and deltanet 0 (none) or more, based (layer 0) and "
+    d_conv: str = setting("auto", "short-conv width: mamba and deltanet 0 (none) or more, based (even layers) and "
                                   "base_conv 1 or more, or long; auto = the architecture's own (the paper's: 1-4)")
     # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
@@ -247,9 +246,9 @@ class Grammar:
             self.rule_cum.append(np.cumsum(rng.dirichlet(np.ones(len(bodies)))).tolist())
             self.head_cum.append(np.cumsum(rng.dirichlet(np.ones(n_terminals))).tolist())
 
-    def sample(self, rng, max_tokens):
-        """One sentence from a uniform start symbol: (terminals, parent position or -1 for the root).
-        Returns None once it grows past max_tokens."""
+    def sample(self, draw, max_tokens):
+        """One sentence from a uniform start symbol, drawn with draw (a random.Random): (terminals, parent position
+        or -1 for the root). Returns None once it grows past max_tokens."""
         tokens, parents = [], []
 
         def emit(t):  # writes terminal t, returns its position; past max_tokens (a head too) the sentence is dropped
@@ -260,15 +259,15 @@ class Grammar:
             return len(tokens) - 1
 
         def expand(x):  # writes x's yield, returns the position of x's head
-            body = rng.choices(self.rules[x], cum_weights=self.rule_cum[x])[0]
+            body = draw.choices(self.rules[x], cum_weights=self.rule_cum[x])[0]
             children = [emit(sym) if sym >= 0 else expand(-sym - 1) for sym in body]
-            head = emit(rng.choices(range(self.n_terminals), cum_weights=self.head_cum[x])[0])
+            head = emit(draw.choices(range(self.n_terminals), cum_weights=self.head_cum[x])[0])
             for c in children:
                 parents[c] = head
             return head
 
         try:
-            expand(rng.randrange(len(self.rules)))
+            expand(draw.randrange(len(self.rules)))
         except OverflowError:
             return None
         return tokens, parents
@@ -282,7 +281,8 @@ def make_atr_split(grammar, n, stream, allow=None, query="parent"):
         label     -    -   -   -   -    -   t1  -   -
         tree      t1 (position 4) heads t4 (1), t9 (2) and t4 (3)
 
-    The queried child must be the rightmost occurrence of its type (t9 at 2, or t4 at 3, not t4 at 1):
+    The query repeats only the child's type, so the child must be the rightmost of its type (t9 at 2, t4 at 3,
+    not t4 at 1), the one occurrence the query then names:
     a parent position is drawn uniformly among those with an eligible child, then one of its eligible
     children. Named positions: key = the child in the sentence (2), value = its parent (4, always to the
     right), next_key = key+1 (3), divider (5), query (6), answer (7). Sentences shorter than 3 tokens,
@@ -357,10 +357,10 @@ def make_task(cfg, train=True):
 # head tied to the embedding. Only the mixer differs: attention here, the rest in the catalogue.
 
 def register(name, lr):
-    """Make Mixer, a class (or a function of cfg, layer_idx), `--arch name` with lr its default rate. The contract,
-    checked on every mixer built: Mixer(cfg, layer_idx) is the nn.Module of block layer_idx (cfg.d_model = d); its
-    forward maps the normed stream (B, L, d) to (B, L, d), causally (output t reads input up to t). Its sites:
-    mixer_input, mixer_output, and conv_output if it calls a ShortConv. Mark its output projection writes_residual."""
+    """Make Mixer, a class (or a function of cfg, layer_idx), `--arch name` with lr its default rate. The
+    contract, checked on every mixer built (check_mixer): Mixer(cfg, layer_idx) is the nn.Module of block
+    layer_idx (cfg.d_model = d); its forward maps the normed stream (B, L, d) to (B, L, d), causally (output t
+    reads input up to t). Mark its output projection with writes_residual; build a short conv as a ShortConv."""
     if not (isinstance(lr, numbers.Real) and 0 < lr < math.inf):
         raise ConfigError(f"register('{name}', lr={lr!r}): the default learning rate must be a positive number")
 
@@ -368,23 +368,6 @@ def register(name, lr):
         ARCHS[name], DEFAULT_LR[name] = cls, lr
         return cls
     return wrap
-
-
-def check_mixer(mixer, cfg, L=32):
-    """register's contract, else one ConfigError sentence: row t of a batch keeps u up to t, the rest drawn anew, and
-    its outputs up to t must equal u's (causal, at any distance); every output has u's shape."""
-    u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
-    keep = torch.arange(L)[None, :, None] <= torch.arange(L)[:, None, None]  # (L rows, L, 1): row t keeps 0..t
-    with torch.no_grad():
-        y = mixer(torch.cat([u, torch.where(keep, u, other)]))  # (1 + L, L, d): u, then the L altered inputs
-    shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (L + 1, L, cfg.d_model)
-    leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand(L, -1, -1), rtol=1e-4, atol=1e-6).all(-1)
-                                     & keep[..., 0]).nonzero().tolist()  # [t, s]: row t moved output s
-    if shape != want or leak:
-        broken = f"returned {shape} for an input of shape {want}" if shape != want else (
-            f"is not causal: its output at position {leak[0][1]} changed with its input after position {leak[0][0]}")
-        raise ConfigError(f"mixer '{cfg.arch}' {broken}; a registered mixer maps (B, L, d) to (B, L, d), causally")
-    return mixer
 
 
 def writes_residual(linear):
@@ -399,7 +382,7 @@ class Attention(nn.Module):
     """Causal softmax self-attention with one head (Vaswani et al. 2017; zoology mixers/attention.py, MHA).
 
         [q | k | v] = u W_qkvᵀ            (no bias)
-        o = softmax(q kᵀ / √d + mask) v    mask[t, s] = -1e4 for s > t
+        o = softmax(q kᵀ / √d + mask) v    mask[t, s] = -inf for s > t (zoology: -1e4)
         out = o W_oᵀ + b_o                 (out_proj has a bias, as zoology's)
 
     scaled_dot_product_attention computes the softmax above (the tests check it against the formula).
@@ -421,7 +404,7 @@ class ShortConv(nn.Conv1d):
     the catalogue calls one; its output is the site conv_output, where a conv carries a token to the next positions."""
 
     def __init__(self, channels, width, bias=True):
-        super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
+        super().__init__(channels, channels, width, groups=channels, bias=bias)  # padded in kernels.short_conv
 
     def forward(self, u):              # (B, L, channels) -> (B, L, channels)
         return kernels.short_conv(u, self.weight[:, 0], self.bias)
@@ -621,7 +604,7 @@ class Batches:
 def train(cfg, log=print):
     """Train the model of cfg as the paper and return its results. The rest is a Run's (with the machinery): begin
     makes the folder and restores a checkpoint; evaluated, at each evaluation, stops on a NaN loss, keeps the history
-    and a checkpoint, prints the progress line, checks the mechanism; end saves the weights and runs the grid."""
+    and a checkpoint, prints the progress line, checks the mechanism; end evaluates and saves the weights."""
     run = Run(cfg, log)  # the run folder, out_dir/run_name: refused if it holds other settings
     if run.finished:     # a finished run is not trained again: its results as they are
         return run.results
@@ -641,20 +624,26 @@ def train(cfg, log=print):
         schedule.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             ev = evaluate(model, task.eval)
-            run.evaluated(step, loss_sum, ev)  # the seam: history, progress line, checkpoint; a NaN loss stops
+            run.evaluated(step, loss_sum, ev)  # history, progress line, checkpoint, the mechanism so far (watch)
             loss_sum.zero_()
             if 0 < cfg.target_acc <= ev["acc"]:  # the early stop
                 break
-    return run.end()  # the final evaluation, a few wrong answers, the mechanism's grid; all saved
+    results = run.end()  # the final evaluation and the weights, saved; a few wrong answers, printed
+    analyze(model, task, cfg, results, log, intervene=cfg.analyze)  # how it recalls: grid, verdict (below)
+    return run.save(None)  # results.json; analyze added to run.results
 
 
 # ----------------------------------------------------------------------------------------------------
 # Interchange interventions (the paper's metric; tinylang eval/interchange.py). Each document runs clean and
 # corrupted, its key replaced by another token of its kind. One clean activation, at one site,
 # layer and position, is patched into the corrupted run; how much of p(answer) comes back?
-#     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt)
-# Sites (SITES) are hooks, the same in every model: block_input / block_output are the residual stream itself,
-# mixer_* and mlp_* one branch of it, conv_output the output of the mixer's (first) ShortConv.
+#     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt),
+# each mean over the documents that have the position (next_key: not where the last pair is queried). Sites (SITES),
+# read or replaced by a hook on a module (model_sites: those a model has):
+#     block_input, block_output   Block's input (pre-hook) / output: the residual stream; every model
+#     mixer_input, mixer_output   the mixer's input (pre-hook) / output; every model
+#     mlp_input, mlp_output       the MLP's input (pre-hook) / output; not Mamba (its blocks have no MLP)
+#     conv_output                 the output of the mixer's first ShortConv, if any
 # To reuse the method, copy SITES, POSITIONS, ROUTE, site_module, model_sites, hooks, read_at, write_at, patch,
 # interchange, corrupt_tokens, answer_logits, mechanism, verdict and ShortConv (for conv_output). They need
 # model.blocks[l].mixer / .mlp, model.hidden / .head, task.classes, task.query and an eval Split (ids, lengths, pos,
@@ -682,7 +671,6 @@ def site_module(model, site, layer, strict=True):
 
 
 def model_sites(model):
-    """Every (site, layer) the model has."""
     return [(s, l) for l in range(len(model.blocks)) for s in SITES if site_module(model, s, l, False) is not None]
 
 
@@ -704,13 +692,13 @@ def hooks(model, edits):
             h.remove()
 
 
-def read_at(positions, into, key=()):
-    """A hook fn that stores the activation at named positions: into[key + (name,)] = x[b, positions[name][b]]
+def read_at(positions, into, prefix=()):
+    """A hook fn that stores the activation at named positions: into[prefix + (name,)] = x[b, positions[name][b]]
     (B, d). A position of -1 (none in this document) reads position 0, which the caller ignores."""
     def fn(x):
         rows = torch.arange(len(x), device=x.device)
         for name, p in positions.items():
-            into[key + (name,)] = x[rows, p.clamp(min=0)]
+            into[prefix + (name,)] = x[rows, p.clamp(min=0)]
     return fn
 
 
@@ -723,11 +711,11 @@ def write_at(positions, values):
     return fn
 
 
-def patch(model, ids, site, layer, positions, values, run=None):
-    """run(ids) (default: the model, logits (B, L, V)) with the activation at `site` of block `layer` replaced, in
+def patch(model, ids, site, layer, positions, values, forward=None):
+    """forward(ids) (default: the model, logits (B, L, V)) with the activation at `site` of block `layer` replaced, in
     document b at positions[b] (-1: nowhere), by values[b]: a patched forward, the intervention's one step."""
     with hooks(model, {(site, layer): write_at(positions, values)}):
-        return (run or model)(ids)
+        return (forward or model)(ids)
 
 
 def interchange(model, corrupted_ids, clean_ids, site, layer, positions):
@@ -769,7 +757,7 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
         return answer_logits(model, ids, query).softmax(-1)[rows, answer]
 
     cells = cells or [(site, layer, k) for site, layer in model_sites(model) for k in POSITIONS]
-    acts = {}  # (site, layer, position) -> (M, d): every clean activation the grid patches in
+    acts = {}  # (site, layer, position) -> (M, d or conv channels): the clean activations patched in
     with hooks(model, {(site, layer): read_at(pos, acts, (site, layer)) for site, layer, _ in cells}):
         p_clean = p_answer(clean)
     logits = answer_logits(model, corrupted, query)  # the corrupted run: its p(answer) and its accuracy
@@ -826,7 +814,7 @@ def verdict(mech, threshold=0.5):
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
     attr = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
     n = mech["n_layers"]
-    layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # = block_input l+1
+    layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # the retrieving one
     if layer == 0:
         return {"kind": "direct retrieval", "layer": 0, "reads": {"query": attr["block_output", 0, "query"]}}
     reads = {k: attr["block_input", layer, k] for k in ("value", "key", "next_key", "query")}
@@ -835,13 +823,55 @@ def verdict(mech, threshold=0.5):
     return {"kind": kind, "layer": layer, "reads": reads}
 
 
+def verdict_text(v, numbers=True):
+    """A verdict in words, with the attributions it rests on unless numbers=False."""
+    if v is None or not v["reads"]:
+        return "-" if v is None else v["kind"]
+    kind, r = v["kind"], v["layer"]
+    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
+    if not numbers:
+        return name
+    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
+             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
+    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
+
+
+def format_mechanism(mech):
+    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
+    shade = " ░▒▓█"
+    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
+            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f} (acc {mech['acc_corrupt']:.3f})")
+    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
+    cells = {}
+    for g in mech["grid"]:
+        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
+    for (layer, site), row in cells.items():
+        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
+                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
+                                                         for k in POSITIONS))
+    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
+
+
+def analyze(model, task, cfg, results, log=print, intervene=True):
+    """Adds the test split's accuracy, if there is one, to results; if intervene, adds each split's grid (mechanism,
+    mechanism_test) and prints it as a table that ends in the verdict."""
+    if task.test is not None:
+        ev = evaluate(model, task.test)
+        results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
+        log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
+    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
+        if split is not None:
+            results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
+            log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
+    return results
+
+
 # ----------------------------------------------------------------------------------------------------
 # The other mixers, a catalogue: each with its paper, equation and original code, registered as Attention is.
 # The paper's successes first (Based, Mamba, DeltaNet), then BaseConv, Hyena and H3, which fail AR. Skip H3 and
 # its kernel on a first read: the hardest code here, for the paper's weakest model.
 
 def conv_width(cfg, default):
-    """The short-convolution width of cfg (d_conv), or the architecture's default."""
     return default if cfg.d_conv == "auto" else cfg.d_conv if cfg.d_conv == "long" else int(cfg.d_conv)
 
 
@@ -907,13 +937,13 @@ class Mamba(nn.Module):
     dt rank ⌈d/16⌉, with the reference implementation's parameter names and shapes:
         [x | z] = u W_inᵀ;  x = SiLU(conv1d(x));  [δ | B | C] = x W_xᵀ;  Δ = softplus(δ W_dtᵀ + b_dt)
         y = selective_scan(x, Δ, A = -exp(A_log), B, C, D) ⊙ SiLU(z);  out = y W_outᵀ
-    selective_scan, per channel e with state h_t (N,), from h_0 = 0 (kernels.selective_scan_ref is the loop):
-        h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t x_t;   y_t = C_t · h_t + D x_t
+    selective_scan, per channel e with state s_t (N,), from s_0 = 0 (kernels.selective_scan_ref is the loop):
+        s_t = exp(Δ_t A) ⊙ s_{t-1} + Δ_t B_t x_t;   y_t = C_t · s_t + D x_t
     --d_conv 0 drops the convolution (x = SiLU(x)); the width-4 conv1d is still built, unused, as in
     tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block is mamba_ssm's Block:
     RMSNorm (eps 1e-5), then the mixer, and no MLP; its init is mamba_ssm's (init_weights)."""
     norm, mlp = functools.partial(nn.RMSNorm, eps=1e-5), False
-    unroll = 40  # AR's 37 steps compile whole within 2 minutes, and then run faster than in chunks
+    unroll = 40  # AR's 37 steps compile whole within 2 minutes; ATR's longest took over 14
 
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()
@@ -955,9 +985,9 @@ class Mamba(nn.Module):
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
         delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
-        scan = kernels.selective_scan  # compiled on a CPU: the loop unrolled up to `unroll` steps, beyond in chunks
+        scan = kernels.selective_scan  # compiled on a CPU: the loop unrolled up to `unroll` steps, beyond run eager
         if torch.compiler.is_compiling() and (x.is_cuda or x.shape[1] > self.unroll):
-            scan = kernels.selective_scan_parallel if x.is_cuda else kernels.selective_scan_chunked  # GPU: few launches
+            scan = kernels.selective_scan_parallel if x.is_cuda else torch.compiler.disable(kernels.selective_scan)
         y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
         return self.out_proj(y * F.silu(z))
 
@@ -1038,7 +1068,8 @@ class H3(nn.Module):
         k̃ = K_shift * k + D_k ⊙ k                 shift SSM: K_shift[c, j] = Σ_n B_s[c, n] C_s[c, n+j]
         ŷ_h = K_h * (k̃_h v_hᵀ) + D_h (k̃_h v_hᵀ)  diagonal S4D SSM over the 2x2 outer products of a head
         y_h = q_hᵀ ŷ_h;  out = y W_oᵀ + b_o        output channels ordered (j, h) as in zoology
-    K_h is S4D's bilinear kernel over N/2 conjugate-pair modes (kernels.py), A_n = -exp(inv_A_real) + i A_imag;
+    K_h[t] = 2 Re Σ_n C̃_n λ_n^t over N/2 conjugate-pair modes, S4D's bilinear discretisation (kernels.py):
+    λ = (1 + ΔA/2) / (1 - ΔA/2), C̃ = C B Δ / (1 - ΔA/2), A_n = -exp(inv_A_real) + i A_imag, Δ = exp(log_dt);
     complex parameters are stored as real (..., 2) pairs, as in zoology."""
 
     def __init__(self, cfg, layer_idx, d_state=1024, head_dim=2):
@@ -1140,46 +1171,21 @@ def config_errors(c):
     yield c.batch_size > c.n_train, f"batch_size={c.batch_size} is larger than the training set (n_train={c.n_train})"
 
 
-def verdict_text(v, numbers=True):
-    """A verdict in words, with the attributions it rests on unless numbers=False."""
-    if v is None or not v["reads"]:
-        return "-" if v is None else v["kind"]
-    kind, r = v["kind"], v["layer"]
-    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
-    if not numbers:
-        return name
-    where = {None: "the corruption does not hurt this model, so attributions would be noise:",
-             0: "layer-0 block_output at the query:"}.get(r, f"layer-{r} block_input attribution:")
-    return f"{name} ({where} " + ", ".join(f"{k} {x:.{3 if r is None else 2}f}" for k, x in v["reads"].items()) + ")"
-
-
-def format_mechanism(mech):
-    """A compact heatmap: rows = layer x site, columns = positions, attribution with a shade."""
-    shade = " ░▒▓█"
-    head = (f"interchange interventions: {mech['corrupt']} corrupted, {mech['n_docs']} documents, "
-            f"p(answer) clean {mech['p_clean']:.3f}, corrupted {mech['p_corrupt']:.3f} (acc {mech['acc_corrupt']:.3f})")
-    lines = [head, f"{'site':<14}{'layer':>5}  " + "".join(f"{k:>10}" for k in POSITIONS)]
-    cells = {}
-    for g in mech["grid"]:
-        cells.setdefault((g["layer"], g["site"]), {})[g["position"]] = g["attribution"]
-    for (layer, site), row in cells.items():
-        lines.append(f"{site:<14}{layer:>5}  " + "".join("       n/a" if row[k] is None else
-                                                         f"{shade[min(4, max(0, int(row[k] * 5)))]:>4}{row[k]:6.2f}"
-                                                         for k in POSITIONS))
-    return "\n".join(lines + [f"verdict: {verdict_text(mech['verdict'])}"])
-
-
-def analyze(model, task, cfg, results, log=print, intervene=True):
-    """results with the test split's accuracy, if any, and with intervene each split's grid (mechanism, _test)."""
-    if task.test is not None:
-        ev = evaluate(model, task.test)
-        results.update(test_acc=ev["acc"], test_p_answer=ev["p_answer"])
-        log(f"test split (held-out pairs): acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
-    for key, split in (("mechanism", task.eval), ("mechanism_test", task.test)) if intervene else ():
-        if split is not None:
-            results[key] = mechanism(model, task, cfg.corrupt, cfg.seed, split)
-            log(("on the test split, " if key == "mechanism_test" else "") + format_mechanism(results[key]))
-    return results
+def check_mixer(mixer, cfg, L=32):
+    """register's contract, else one ConfigError sentence: row t of a batch keeps u up to t, the rest drawn anew, and
+    its outputs up to t must equal u's (causal, at any distance); every output has u's shape."""
+    u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    keep = torch.arange(L)[None, :, None] <= torch.arange(L)[:, None, None]  # (L rows, L, 1): row t keeps 0..t
+    with torch.no_grad():
+        y = mixer(torch.cat([u, torch.where(keep, u, other)]))  # (1 + L, L, d): u, then the L altered inputs
+    shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (L + 1, L, cfg.d_model)
+    leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand(L, -1, -1), rtol=1e-4, atol=1e-6).all(-1)
+                                     & keep[..., 0]).nonzero().tolist()  # [t, s]: row t moved output s
+    if shape != want or leak:
+        broken = f"returned {shape} for an input of shape {want}" if shape != want else (
+            f"is not causal: its output at position {leak[0][1]} changed with its input after position {leak[0][0]}")
+        raise ConfigError(f"mixer '{cfg.arch}' {broken}; a registered mixer maps (B, L, d) to (B, L, d), causally")
+    return mixer
 
 
 def watch(model, task, cfg):
@@ -1195,15 +1201,11 @@ def watch(model, task, cfg):
 
 
 def guesses(task):
-    """How often two guesses that never read the key are right on the evaluation split: the sentence's last token
-    (on ATR the root's head), and the answer seen most often with the query's token in the training documents."""
-    ev, tr = task.eval, task.train
-    query = lambda split: split.input_ids.gather(1, split.pos["query"][:, None])[:, 0].tolist()
-    seen = collections.Counter(zip(query(tr), tr.answers.tolist()))
-    prior = {q: a for (q, a), _ in sorted(seen.items(), key=lambda item: item[1])}  # the most frequent comes last
+    """How often a guess that never reads the key is right on the evaluation split: the sentence's last token (on
+    ATR the root's head)."""
+    ev = task.eval
     last = ev.input_ids.gather(1, ev.pos["divider"][:, None] - 1)[:, 0]
-    return {"last_token": (last == ev.answers).float().mean().item(),
-            "prior": np.mean([prior.get(q) == a for q, a in zip(query(ev), ev.answers.tolist())]).item()}
+    return {"last_token": (last == ev.answers).float().mean().item()}
 
 
 def save_file(path, obj):
@@ -1252,19 +1254,15 @@ def default_run_name(cfg):
     return f"{cfg.task}{extra}_{cfg.arch}_d{cfg.d_model}_l{cfg.n_layers}_lr{cfg.lr:g}_s{cfg.seed}"
 
 
-def run_settings(config):
-    """What a run computes: its config less out_dir, device, compile; an older folder's missing setting: default."""
-    return {f.name: config.get(f.name, f.default) for f in fields(Config)
-            if f.name not in ("out_dir", "device", "compile")}
-
-
 def same_settings(config, cfg, where):
-    """Refuse (ConfigError) a saved config, kept in `where`, that differs from cfg in a setting that changes the run."""
-    old, new = run_settings(config), run_settings(asdict(cfg))
-    k = next((k for k in new if old.get(k) != new[k]), None)
+    """Refuse (ConfigError) a saved config, kept in `where`, that differs from cfg in a setting that changes the run
+    (all but out_dir, device, compile; a setting an older folder lacks counts as its default)."""
+    old = {f.name: config.get(f.name, f.default) for f in fields(Config)}
+    k = next((f.name for f in fields(Config) if f.name not in ("out_dir", "device", "compile")
+              and old[f.name] != getattr(cfg, f.name)), None)
     if k is not None:
-        raise ConfigError(f"{where} holds a run with {k}={old[k]}, not {k}={new[k]}; give another --run_name or "
-                          f"--out_dir, or move that folder away")
+        raise ConfigError(f"{where} holds a run with {k}={old[k]}, not {k}={getattr(cfg, k)}; give another "
+                          f"--run_name or --out_dir, or move that folder away")
 
 
 class Run:
@@ -1337,8 +1335,7 @@ class Run:
                                   round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
         if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
             h.update(watch(self.model, self.task, cfg))
-        r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"],
-                 best_acc=max(ev["acc"], r.get("best_acc", 0.0)))
+        r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"])
         watched = f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}" if "verdict" in h else ""
         self.log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f}"
                  f" | {1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}{watched}")
@@ -1347,7 +1344,7 @@ class Run:
         self.ev, self.t_last = ev, time.time()
 
     def end(self):
-        """After the loop: the final evaluation, wrong examples and weights; the test split and the grid."""
+        """After the loop: the final evaluation, wrong examples and weights (train then adds the grid)."""
         cfg, r, model, task = self.cfg, self.results, self.model, self.task
         ev = self.ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
         r["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
@@ -1357,7 +1354,6 @@ class Run:
                  f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
         for line in r["wrong_examples"]:
             self.log("  wrong: " + line)
-        save_file(self.path("results.json"), analyze(model, task, cfg, r, self.log, cfg.analyze))  # test split, grid
         return r
 
     def save(self, status, **model_pt):
@@ -1370,6 +1366,7 @@ class Run:
             save_file(self.path("model.pt"), {"config": asdict(self.cfg), "vocab_size":
                                               self.model.embed.num_embeddings, **model_pt})
         save_file(self.path("results.json"), r)
+        return r
 
 
 EVAL_ONLY_FIELDS = ("device", "compile", "n_eval", "out_dir", "analyze", "corrupt")  # --load may change these
@@ -1417,7 +1414,6 @@ PAPER_ATR_GEN = {  # ATR easy generalisation split (20 % of pairs held out), d=6
 
 
 def paper_lrs(task, arch):
-    """The paper's rates: 3e-5 .. 3e-3, and 1e-2 and 3e-2 for non-attention models on AR."""
     return (3e-5, 1e-4, 3e-4, 1e-3, 3e-3) + ((1e-2, 3e-2) if task == "ar" and arch != "attention" else ())
 
 
@@ -1433,7 +1429,7 @@ def paper_acc(cfg, test=False):
         return PAPER_ATR_GEN.get(cfg.arch, (None, None))[test]
 
 
-def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker processes
+def _quiet_run(cfg):
     """cfg's results: train (which returns a finished run as it is); a run stopped by a NaN is a result too."""
     try:
         return train(cfg, log=lambda s: None)
@@ -1441,23 +1437,18 @@ def _quiet_run(cfg):  # a top-level function, so --jobs can send it to worker pr
         return load_file(os.path.join(cfg.out_dir, cfg.run_name, "results.json"))
 
 
-def sweep(base, widths=PAPER_WIDTHS, lrs=None, jobs=1, log=print, seeds=None, shard=None):
-    """run_sweeps of base alone, summarised in base.out_dir."""
-    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, jobs, base.out_dir, log,
-                      seeds, shard)
+def sweep(base, widths=PAPER_WIDTHS, lrs=None, log=print, seeds=None, shard=None):
+    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, base.out_dir, log, seeds,
+                      shard)
 
 
-def run_all(cfgs, jobs=1, log=print):
-    """_quiet_run every config; with jobs > 1 in that many processes, each with its share of the CPU threads."""
-    def done(i, cfg, r):
+def run_all(cfgs, log=print):
+    """_quiet_run every config in turn (runs at once: --shard i/N in N processes)."""
+    results = []
+    for i, cfg in enumerate(cfgs):
+        results.append(r := _quiet_run(cfg))
         log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
-        return r
-    if jobs == 1:
-        return [done(i, cfg, _quiet_run(cfg)) for i, cfg in enumerate(cfgs)]
-    import multiprocessing
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with multiprocessing.get_context("spawn").Pool(jobs, torch.set_num_threads, (threads,), 1) as pool:  # 1 run each
-        return [done(i, cfg, r) for i, (cfg, r) in enumerate(zip(cfgs, pool.imap(_quiet_run, cfgs)))]
+    return results
 
 
 def best_rows(label, cfgs, results, widths):
@@ -1504,7 +1495,6 @@ def seed_stats(runs):
 
 
 def md_table(header, rows):
-    """A markdown table as lines: None prints as -, a float with two decimals."""
     cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
@@ -1538,8 +1528,8 @@ def save_summary(out_dir, title, rows, log=print):
     return summary
 
 
-def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None, shard=None):
-    """Sweep each (label, config) entry over widths x lrs (default: the paper's) x seeds in one pool of jobs,
+def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None, shard=None):
+    """Sweep each (label, config) entry over widths x lrs (default: the paper's) x seeds,
     then summarise in out_dir and in each entry's folder. shard = (i, n): runs i, i+n, ... only."""
     grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
               for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
@@ -1549,8 +1539,8 @@ def run_sweeps(title, entries, widths, lrs, jobs, out_dir, log=print, seeds=None
     if shard:
         mine = [c for g in grids for c in g][shard[0]::shard[1]]
         log(f"shard {shard[0]}/{shard[1]}: {len(mine)} runs; without --shard, the same command summarises")
-        return run_all(mine, jobs, log)
-    results, rows = run_all([c for g in grids for c in g], jobs, log), []
+        return run_all(mine, log)
+    results, rows = run_all([c for g in grids for c in g], log), []
     for (label, cfg), grid in zip(entries, grids):
         res, results = results[:len(grid)], results[len(grid):]
         rows += best_rows(label, grid, res, widths)
@@ -1579,7 +1569,7 @@ def presets():
     }
 
 
-def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None, shard=None):
+def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None, shard=None):
     """Every sweep of a preset, each into out_dir/<label>/, the user's args under the preset's own settings, over
     the widths, rates and seeds given, else the paper's (one seed; the preset seeds: three)."""
     table = presets()
@@ -1592,12 +1582,12 @@ def run_preset(name, args, widths=None, lrs=None, jobs=1, log=print, seeds=None,
     widths, seeds = widths or PAPER_WIDTHS, seeds or ((0, 1, 2) if name == "seeds" else None)
     entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))
                for label, settings in table[name]]
-    return run_sweeps(f"preset {name}", entries, widths, lrs, jobs, out_dir, log, seeds, shard)
+    return run_sweeps(f"preset {name}", entries, widths, lrs, out_dir, log, seeds, shard)
 
 
 def plot(folder, log=print):
-    """PNGs of a sweep or preset folder, like the paper's figures: accuracy by width (the paper's dashed), the last
-    layer's block_input attribution of each entry's best run; of a run folder, plot_history. Needs matplotlib."""
+    """The PNG of a sweep or preset folder, like the paper's figures: accuracy by width (the paper's dashed); of a run
+    folder, plot_history. Needs matplotlib. summary.md holds each width's attributions."""
     path, run = (os.path.join(folder, name) for name in ("summary.json", "results.json"))
     if not os.path.isfile(path) and not os.path.isfile(run):
         raise ConfigError(f"no summary.json or results.json in {folder}; --plot takes a sweep's or a run's folder")
@@ -1615,32 +1605,17 @@ def plot(folder, log=print):
     groups = {}
     for r in sorted(rows, key=lambda r: r["d_model"]):
         groups.setdefault(r["label"], []).append(r)
-    fig, (ax, by_params) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(figsize=(6, 4))
     for label, rs in groups.items():
         (line,) = ax.plot([r["d_model"] for r in rs], [r["acc"] for r in rs], "o-", label=label)
         paper = [(r["d_model"], r["paper_acc"]) for r in rs if r["paper_acc"] is not None]
         ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6) if paper else None
-        counted = [(r["n_params"], r["acc"]) for r in rs if r.get("n_params")]  # an older summary has none
-        by_params.plot(*zip(*counted), "o-", color=line.get_color(), label=label) if counted else None
-    by_params.set(xscale="log", ylim=(-2, 102), xlabel="parameters", title="accuracy by parameters")
     ticks = sorted({r["d_model"] for r in rows})
     ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
            title="accuracy by width (x, dashed: the paper)")
     ax.minorticks_off()  # a log axis spanning under a decade would label 2x10^1, 3x10^1, ... between the widths
     ax.legend(fontsize=7)
-    best = {label: max(rs, key=lambda r: (r["acc"], r["d_model"])) for label, rs in groups.items()}
-    splits = [("attribution", "eval")] + [("test_attribution", "test")] * any("test_acc" in r for r in rows)
-    fig2, axes = plt.subplots(1, len(splits), figsize=(max(4, 1.5 + len(best)) * len(splits), 3.5), squeeze=False)
-    for ax, (key, name) in zip(axes[0], splits):
-        for j, position in enumerate(("value", "key", "query")):
-            values = [(r.get(key) or {}).get(position) or 0.0 for r in best.values()]
-            ax.bar([i + 0.27 * (j - 1) for i in range(len(best))], values, 0.27, label=position)
-        ax.set_xticks(range(len(best)), [f"{label}\nd={r['d_model']}" for label, r in best.items()], fontsize=7)
-        ax.set(ylabel="attribution", title=f"last layer's block_input, {name}",
-               ylim=(min(-0.1, ax.get_ylim()[0]), max(1.1, ax.get_ylim()[1])))
-        ax.axhline(0, color="k", lw=0.5)
-        ax.legend(fontsize=7)
-    save_figures(folder, {"accuracy_by_width.png": fig, "mechanism.png": fig2}, plt, log)
+    save_figures(folder, {"accuracy_by_width.png": fig}, plt, log)
 
 
 def save_figures(folder, figures, plt, log=print):
@@ -1679,11 +1654,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _numbers(kind):  # each value is then checked as the setting it becomes (a width as d_model, a rate as lr)
-    def parse(s):
-        try:
-            return tuple(kind(v) for v in s.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, not '{s}'") from None
+    parse = lambda s: tuple(kind(v) for v in s.split(","))
+    parse.__name__ = f"comma-separated {kind.__name__} list"  # named in argparse's error
     return parse
 
 
@@ -1695,7 +1667,6 @@ def _shard(s):
 
 
 def parse_args(argv=None):
-    """The flags given on the command line (only those), as a dict."""
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
     for f in fields(Config):
         flag = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)  # --no-compile
@@ -1712,7 +1683,6 @@ def parse_args(argv=None):
             ("seeds", dict(type=_numbers(int), metavar="S,S,..."),
              "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets())),
-            ("jobs", dict(type=int), "runs of a sweep or preset trained at once, each in a fresh process"),
             ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
             ("plot", dict(metavar="DIR"), "draw the PNGs of a sweep or preset folder (needs matplotlib)")):
         p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
@@ -1740,11 +1710,9 @@ def evaluate_run(run_dir, args, log=print):
 
 def main(argv=None):
     args = parse_args(argv)
-    grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds", "jobs", "shard") if k in args}  # sweep flags
+    grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds", "shard") if k in args}  # sweep flags
     flags = {k: args.pop(k) for k in ("sweep", "preset", "plot", "load") if k in args}
     try:
-        if grid.get("jobs", 1) < 1:
-            raise ConfigError(f"--jobs must be at least 1, not {grid['jobs']}")
         if len(flags) > 1 or ("plot" in flags and args):  # one would be ignored
             raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one" if len(flags) > 1 else
                               f"--plot takes a folder and nothing else, not --{' --'.join(args)}")

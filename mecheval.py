@@ -624,7 +624,7 @@ def train(cfg, log=print):
         schedule.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             ev = evaluate(model, task.eval)
-            run.evaluated(step, loss_sum, ev)  # history, progress line, checkpoint, the mechanism so far (watch)
+            run.evaluated(step, loss_sum, ev)  # history, progress line, checkpoint, watch; a NaN loss stops
             loss_sum.zero_()
             if 0 < cfg.target_acc <= ev["acc"]:  # the early stop
                 break
@@ -943,7 +943,7 @@ class Mamba(nn.Module):
     tinylang's MambaWithoutConv, as a plain Conv1d: no conv_output site. Its block is mamba_ssm's Block:
     RMSNorm (eps 1e-5), then the mixer, and no MLP; its init is mamba_ssm's (init_weights)."""
     norm, mlp = functools.partial(nn.RMSNorm, eps=1e-5), False
-    unroll = 40  # AR's 37 steps compile whole within 2 minutes; ATR's longest took over 14
+    unroll = 40  # AR's 37 steps compile whole within 2 minutes; ATR medium's took over 14 min
 
     def __init__(self, cfg, layer_idx, d_state=16, expand=2):
         super().__init__()

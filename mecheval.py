@@ -29,6 +29,7 @@ import math
 import numbers
 import os
 import random
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -112,6 +113,7 @@ class Config:
         self.lr = self.lr or DEFAULT_LR[self.arch]
         self.steps = self.steps or PAPER_STEPS[self.task]
         self.run_name = self.run_name or default_run_name(self)
+        self._made = asdict(self)  # train refuses a Config changed after this
 
     def check(self):  # a bad setting: one ConfigError sentence (config_errors, with the machinery)
         bad = next((message for wrong, message in config_errors(self) if wrong), None)
@@ -129,7 +131,7 @@ class Config:
 #     next_key   the next pair's key           the token after the child (key + 1)
 #     divider    the EOS before the query      the EOS before the query
 #     query      the key, asked again          the child, asked again
-# With --atr_query sibling, value is the child's rightmost sibling, the answer (none where the child answers itself).
+# With --atr_query sibling, value is the child's rightmost sibling, the answer (none if the child answers).
 
 @dataclass
 class Split:
@@ -159,7 +161,7 @@ class Task:
                              # (AR: keys, values; ATR: terminals); a corrupted token is drawn from them
     heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
     test: Split = None       # ATR generalisation split: the test documents (queries on held-out pairs)
-    query: str = "parent"    # ATR: what the query asks for: the child's parent (parent, inner) or sibling (AR: parent)
+    query: str = "parent"    # ATR: the child's parent (parent, inner) or sibling (AR: parent)
 
     def decode(self, ids):
         return " ".join(self.token_names[int(i)] for i in ids if int(i) != PAD)
@@ -251,7 +253,7 @@ class Grammar:
         or -1 for the root). Returns None once it grows past max_tokens."""
         tokens, parents = [], []
 
-        def emit(t):  # writes terminal t, returns its position; past max_tokens (a head too) the sentence is dropped
+        def emit(t):  # writes terminal t, returns its position; past max_tokens the sentence is dropped
             tokens.append(t)
             parents.append(-1)
             if len(tokens) > max_tokens:
@@ -361,8 +363,11 @@ def register(name, lr):
     contract, checked on every mixer built (check_mixer): Mixer(cfg, layer_idx) is the nn.Module of block
     layer_idx (cfg.d_model = d); its forward maps the normed stream (B, L, d) to (B, L, d), causally (output t
     reads input up to t). Mark its output projection with writes_residual; build a short conv as a ShortConv."""
-    if not (isinstance(lr, numbers.Real) and 0 < lr < math.inf):
-        raise ConfigError(f"register('{name}', lr={lr!r}): the default learning rate must be a positive number")
+    why = ("that arch is registered already" if name in ARCHS else
+           "the default learning rate must be a positive number" if isinstance(lr, bool) or not (
+               isinstance(lr, numbers.Real) and 0 < lr < math.inf) else None)
+    if why:
+        raise ConfigError(f"register({name!r}, lr={lr!r}): {why}")
 
     def wrap(cls):
         ARCHS[name], DEFAULT_LR[name] = cls, lr
@@ -485,7 +490,7 @@ def build_model(cfg, vocab_size):
 
 # ----------------------------------------------------------------------------------------------------
 # Training, as the paper: AdamW (0.9, 0.999), no weight decay, 10 % linear warm-up then cosine to 0, batch 32,
-# fp32, cross-entropy on the answer only. Evaluation: accuracy and mean p(answer) on the fixed evaluation split.
+# fp32, cross-entropy on the answer only. Evaluation: accuracy and mean p(answer) on the evaluation split.
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or infinite."""
@@ -497,9 +502,17 @@ def answer_logits(model, ids, query):
     return model.head(model.hidden(ids)[torch.arange(len(ids), device=ids.device), query])  # (B, d) -> (B, V)
 
 
+def readable(model, split):
+    """A split of documents the model can read, or one ValueError sentence."""
+    n = model.embed.num_embeddings
+    if not len(split) or int(split.input_ids.max()) >= n:
+        raise ValueError(f"this split of {len(split)} documents is not of this model's task")
+
+
 @torch.no_grad()
 def evaluate(model, split, batch_size=512):
     """Answer accuracy and mean answer probability on a split; also the predictions (M,)."""
+    readable(model, split)
     device = next(model.parameters()).device
     preds, probs = [], []
     for i in range(0, len(split), batch_size):
@@ -511,17 +524,6 @@ def evaluate(model, split, batch_size=512):
     preds = torch.cat(preds)
     return {"acc": (preds == split.answers).float().mean().item(), "p_answer": torch.cat(probs).mean().item(),
             "preds": preds}
-
-
-def wrong_examples(task, split, preds, k=3, max_tokens=40):
-    """A few wrong predictions as readable text: the document up to the query, then pred vs answer."""
-    out = []
-    for n in (preds != split.answers).nonzero()[:k, 0].tolist():
-        end = int(split.pos["query"][n]) + 1
-        pre = "... " if end > max_tokens else ""
-        out.append(f"{pre}{task.decode(split.input_ids[n, max(0, end - max_tokens):end])} -> predicted "
-                   f"{task.token_names[int(preds[n])]}, answer {task.token_names[int(split.answers[n])]}")
-    return out
 
 
 def setup(cfg):
@@ -548,7 +550,7 @@ def answer_loss(model, ids, query, answer):
 def step_loss(compile, device):
     if not compile:
         return answer_loss
-    torch._dynamo.reset()  # one model per compile cache: a run, or each architecture the step benchmark times
+    torch._dynamo.reset()  # one model per compile cache
     mode = "reduce-overhead" if device.startswith("cuda") else None  # CUDA graphs; forward and backward compile
     return torch.compile(answer_loss, mode=mode, dynamic=False)
 
@@ -586,7 +588,7 @@ class Batches:
             self.set_order(torch.arange(n) if self.fixed else torch.randperm(n, generator=self.gen), 0)
         span, self.cursor = slice(self.cursor, self.cursor + self.batch_size), self.cursor + self.batch_size
         L = int(self.lengths[self.order[span]].max())  # ATR lengths vary
-        if self.compile:  # a power of two from 16 (at most the longest document): few shapes to compile for
+        if self.compile:  # a power of two from 16: few shapes to compile
             L = min(max(16, 1 << (L - 1).bit_length()), int(self.lengths.max()))
         return self.on_device[span], L
 
@@ -615,7 +617,7 @@ def train(cfg, log=print):
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
     batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
-    first = run.begin(task, model, optimizer, schedule, batches)  # 1, or the step after the checkpoint it restored
+    first = run.begin(task, model, optimizer, schedule, batches)  # 1, or the step after its checkpoint
     ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
     loss_fn, loss_sum = step_loss(cfg.compile, device), torch.zeros((), device=device)
     for step in range(first, cfg.steps + 1):
@@ -624,11 +626,11 @@ def train(cfg, log=print):
         schedule.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             ev = evaluate(model, task.eval)
-            run.evaluated(step, loss_sum, ev)  # history, progress line, checkpoint, watch; a NaN loss stops
+            run.evaluated(step, loss_sum, ev)  # history, progress, checkpoint, watch; NaN stops
             loss_sum.zero_()
             if 0 < cfg.target_acc <= ev["acc"]:  # the early stop
                 break
-    results = run.end()  # the final evaluation and the weights, saved; a few wrong answers, printed
+    results = run.end()  # the final evaluation and the weights, saved
     analyze(model, task, cfg, results, log, intervene=cfg.analyze)  # how it recalls: grid, verdict (below)
     return run.save(None)  # results.json; analyze added to run.results
 
@@ -645,9 +647,9 @@ def train(cfg, log=print):
 #     mlp_input, mlp_output       the MLP's input (pre-hook) / output; not Mamba (its blocks have no MLP)
 #     conv_output                 the output of the mixer's first ShortConv, if any
 # To reuse the method, copy SITES, POSITIONS, ROUTE, site_module, model_sites, hooks, read_at, write_at, patch,
-# interchange, corrupt_tokens, answer_logits, mechanism, verdict and ShortConv (for conv_output). They need
-# model.blocks[l].mixer / .mlp, model.hidden / .head, task.classes, task.query and an eval Split (ids, lengths, pos,
-# answers).
+# interchange, corrupt_tokens, answer_logits, readable, mechanism, verdict and ShortConv (for conv_output). They
+# need model.blocks[l].mixer / .mlp, model.embed / .hidden / .head, task.classes, task.query and an eval Split (ids,
+# lengths, pos, answers).
 
 SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
 POSITIONS = ("key", "value", "next_key", "divider", "query")
@@ -746,6 +748,9 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
     Returns p_clean, p_corrupt, the grid (one entry a cell) and the verdict (None if `cells` lack what it reads)."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
+    readable(model, split)
+    if corrupt not in ("key", "value"):
+        raise ValueError(f"unknown corrupt '{corrupt}'; allowed: key, value")
     L = int(split.lengths.max())
     clean = split.input_ids[:, :L].to(device)
     corrupted = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :L].to(device)
@@ -807,19 +812,22 @@ def verdict(mech, threshold=0.5):
     next key are one position, and a one-token carry reads as induction (split the documents to tell them apart).
     Sibling queries are not read: two thirds of the children answer themselves (no value), so the value column
     would stand on other documents than the key's."""
-    if mech.get("query", "parent") == "sibling":  # a sibling answer: no one position holds what the rule reads
-        return {"kind": "not read (sibling queries)", "layer": None, "reads": {}}
+    unread = ("sibling queries" if mech.get("query") == "sibling" else
+              "value corrupted" if mech.get("corrupt", "key") != "key" else None)
+    if unread:  # a sibling answer: no one position holds what the rule reads
+        return {"kind": f"not read ({unread})", "layer": None, "reads": {}}
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
         return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
     attr = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
     n = mech["n_layers"]
-    layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # the retrieving one
+    layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # retrieves
     if layer == 0:
         return {"kind": "direct retrieval", "layer": 0, "reads": {"query": attr["block_output", 0, "query"]}}
     reads = {k: attr["block_input", layer, k] for k in ("value", "key", "next_key", "query")}
     first, second = sorted(ROUTE, key=reads.get, reverse=True)[:2]
-    kind = ROUTE[first] if reads[first] >= threshold and reads[first] > reads[second] else "mixed"
+    top, next_ = round(reads[first], 2), round(reads[second], 2)  # a tie as printed
+    kind = ROUTE[first] if reads[first] >= threshold and top > next_ else "mixed"
     return {"kind": kind, "layer": layer, "reads": reads}
 
 
@@ -985,7 +993,7 @@ class Mamba(nn.Module):
         r, N = self.dt_proj.in_features, self.A_log.shape[1]
         delta, B, C = self.x_proj(x).split([r, N, N], dim=-1)
         delta = F.softplus(self.dt_proj(delta))                          # (B, L, E)
-        scan = kernels.selective_scan  # compiled on a CPU: the loop unrolled up to `unroll` steps, beyond run eager
+        scan = kernels.selective_scan  # on a CPU compiled up to `unroll` steps, beyond eager
         if torch.compiler.is_compiling() and (x.is_cuda or x.shape[1] > self.unroll):
             scan = kernels.selective_scan_parallel if x.is_cuda else torch.compiler.disable(kernels.selective_scan)
         y = scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D)
@@ -1124,7 +1132,7 @@ def config_errors(c):
         v, (kind, name) = getattr(c, f.name), kinds[f.type]
         yield not isinstance(v, kind) or isinstance(v, bool) != (f.type is bool), f"{f.name} must be {name}, not {v!r}"
     default = {f.name: f.default for f in fields(c)}
-    widths = {"mamba": 0, "deltanet": 0, "based": 1, "base_conv": 1}  # the narrowest; BaseConv's may also be long
+    widths = {"mamba": 0, "deltanet": 0, "based": 1, "base_conv": 1}  # the narrowest (or long)
     for name, allowed in (("task", TASKS), ("arch", list(ARCHS)), ("pos_emb", ("auto", "on", "off")),
                           ("atr_setting", list(ATR_SETTINGS)), ("atr_split", ("iid", "gen")),
                           ("atr_query", ("parent", "inner", "sibling")),
@@ -1135,8 +1143,8 @@ def config_errors(c):
             f"unknown {name} '{value}'; allowed: {', '.join(map(str, allowed))}"
     yield c.d_conv != "auto" and c.arch not in widths, \
         f"d_conv applies to {', '.join(widths)}, not to arch={c.arch}; leave it auto"
-    w = widths.get(c.arch, 0)
-    yield not (c.d_conv in ("auto", "long" if w else "auto") or c.d_conv.isdigit() and w <= int(c.d_conv) <= MAX_LEN), \
+    w, digits = widths.get(c.arch, 0), c.d_conv.isascii() and c.d_conv.isdigit()  # not "²"
+    yield not (c.d_conv in ("auto", "long" if w else "auto") or digits and w <= int(c.d_conv) <= MAX_LEN), \
         f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {w} to {MAX_LEN}" + ", or long" * w
     yield c.run_name in (".", "..") or os.path.basename(c.run_name) != c.run_name, \
         f"run_name '{c.run_name}' must be one folder name inside out_dir, without '/' or '..'"
@@ -1144,7 +1152,7 @@ def config_errors(c):
                  "n_eval"):
         yield getattr(c, name) <= 0, f"{name} must be a positive integer, not {getattr(c, name)}"
     yield c.analyze_every < 0, f"analyze_every must be 0 (no checks) or a number of steps, not {c.analyze_every}"
-    yield c.seed < 0, f"seed must be a non-negative integer, not {c.seed}"
+    yield not 0 <= c.seed < 2 ** 63, f"seed must be an integer from 0 to 2**63 - 1, not {c.seed}"
     yield c.steps < 0, f"steps must be positive (or 0 for the paper's schedule), not {c.steps}"
     yield not (math.isfinite(c.lr) and c.lr >= 0), f"lr must be a positive number (or 0 for the default), not {c.lr}"
     yield not 0 <= c.warmup < 1, f"warmup is a fraction of the steps in [0, 1), not {c.warmup}"
@@ -1171,27 +1179,31 @@ def config_errors(c):
     yield c.batch_size > c.n_train, f"batch_size={c.batch_size} is larger than the training set (n_train={c.n_train})"
 
 
-def check_mixer(mixer, cfg, L=32):
+def check_mixer(mixer, cfg):
     """register's contract, else one ConfigError sentence: row t of a batch keeps u up to t, the rest drawn anew, and
-    its outputs up to t must equal u's (causal, at any distance); every output has u's shape."""
-    u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
-    keep = torch.arange(L)[None, :, None] <= torch.arange(L)[:, None, None]  # (L rows, L, 1): row t keeps 0..t
-    with torch.no_grad():
-        y = mixer(torch.cat([u, torch.where(keep, u, other)]))  # (1 + L, L, d): u, then the L altered inputs
-    shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (L + 1, L, cfg.d_model)
-    leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand(L, -1, -1), rtol=1e-4, atol=1e-6).all(-1)
-                                     & keep[..., 0]).nonzero().tolist()  # [t, s]: row t moved output s
-    if shape != want or leak:
-        broken = f"returned {shape} for an input of shape {want}" if shape != want else (
-            f"is not causal: its output at position {leak[0][1]} changed with its input after position {leak[0][0]}")
-        raise ConfigError(f"mixer '{cfg.arch}' {broken}; a registered mixer maps (B, L, d) to (B, L, d), causally")
+    its outputs up to t must equal u's (causal: every t of 32 positions, and t = 0 of MAX_LEN, the longest
+    document); every output has u's shape."""
+    for L, cuts in ((32, torch.arange(32)), (MAX_LEN, torch.zeros(1, dtype=torch.long))):
+        u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
+        keep = torch.arange(L)[None, :, None] <= cuts[:, None, None]  # row i keeps 0..cuts[i]
+        with torch.no_grad():
+            y = mixer(torch.cat([u, torch.where(keep, u, other)]))  # (1 + rows, L, d)
+        shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (len(cuts) + 1, L, cfg.d_model)
+        leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand_as(y[1:]), rtol=1e-4,  # FFT roundoff
+                                                        atol=1e-5 * y.abs().max().item()).all(-1)
+                                         & keep[..., 0]).nonzero().tolist()  # [i, s]: row i moved s
+        if shape != want or leak:
+            broken = f"returned {shape} for an input of shape {want}" if shape != want else (
+                f"is not causal: its output at position {leak[0][1]} changed with its input after position "
+                f"{cuts[leak[0][0]]}")
+            raise ConfigError(f"mixer '{cfg.arch}' {broken}; a mixer maps (B, L, d) to (B, L, d), causally")
     return mixer
 
 
 def watch(model, task, cfg):
     """The mechanism as it forms, for the history (at the first evaluation from each multiple of analyze_every):
     the verdict from only the cells it reads (at 2 layers 6 cells, 8 forwards; the whole grid takes 52-72), the gap
-    p_clean - p_corrupt (does the key matter, even where no ratio is) and the accuracy on n_eval training documents."""
+    p_clean - p_corrupt (does the key matter) and the accuracy on n_eval training documents."""
     n = len(model.blocks)
     cells = [("block_output", l, "query") for l in range(n)]
     cells += [("block_input", l, k) for l in range(1, n) for k in (*ROUTE, "query")]
@@ -1221,13 +1233,13 @@ def save_file(path, obj):
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         if os.path.isfile(tmp):
             os.remove(tmp)
-        raise ConfigError(f"cannot write {path} ({getattr(e, 'strerror', None) or type(e).__name__}); what the "
-                          f"folder held before is kept") from None
+        raise ConfigError(f"cannot write {path} ({getattr(e, 'strerror', None) or type(e).__name__}); that file "
+                          f"keeps what it held before") from None
 
 
-def load_file(path):
-    """The dict a run folder's file holds (JSON, or a .pt checkpoint). What this tool did not write, or cannot read
-    (cut short, garbage, null, a folder, a bare state_dict), is one ConfigError sentence, and stays as it is."""
+def load_file(path, need=("config",)):
+    """The dict a file of this tool holds (JSON, or a .pt checkpoint), with the keys `need`; anything else (cut
+    short, garbage, another tool's) is one ConfigError, and is kept."""
     try:
         if path.endswith(".json"):
             with open(path) as f:
@@ -1236,8 +1248,9 @@ def load_file(path):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # json and torch raise many kinds
         obj = e
-    if not isinstance(obj, dict) or path.endswith(".pt") and not isinstance(obj.get("config"), dict):
-        raise ConfigError(f"{path} is not a file this tool wrote or can read ({type(obj).__name__}); move it away")
+    why = next((f"no '{k}'" for k in need if k not in obj), None) if isinstance(obj, dict) else type(obj).__name__
+    if why or not isinstance(obj.get("config", {}), dict):
+        raise ConfigError(f"{path} is not a file this tool wrote or can read ({why or 'config'})")
     return obj
 
 
@@ -1261,8 +1274,9 @@ def same_settings(config, cfg, where):
     k = next((f.name for f in fields(Config) if f.name not in ("out_dir", "device", "compile")
               and old[f.name] != getattr(cfg, f.name)), None)
     if k is not None:
-        raise ConfigError(f"{where} holds a run with {k}={old[k]}, not {k}={getattr(cfg, k)}; give another "
-                          f"--run_name or --out_dir, or move that folder away")
+        held = f"{k}={old[k]}" if k in config else f"no {k} (the default, {old[k]})"
+        raise ConfigError(f"{where} holds a run with {held}, not {k}={getattr(cfg, k)}; give another --run_name or "
+                          f"--out_dir, or move that folder away")
 
 
 class Run:
@@ -1271,12 +1285,14 @@ class Run:
     is; one stopped by a NaN says how to go on; an unfinished one continues bit for bit."""
 
     def __init__(self, cfg, log=print):
-        cfg.check()  # a Config changed after it was made
+        k = next((k for k, v in asdict(cfg).items() if v != cfg._made[k]), None)
+        if k:
+            raise ConfigError(f"{k} was changed after the Config was made; make a new Config")
         self.cfg, self.log, self.dir, self.t0 = cfg, log, os.path.join(cfg.out_dir, cfg.run_name), time.time()
         self.ckpt, self.ev = None, None
         log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
         if os.path.exists(self.path("config.json")):
-            same_settings(load_file(self.path("config.json")), cfg, self.dir)
+            same_settings(load_file(self.path("config.json"), ("task", "arch")), cfg, self.dir)
         self.results = load_file(self.path("results.json")) if os.path.exists(self.path("results.json")) else {}
         self.finished = (status := self.results.get("status")) in ("completed", "target reached")
         if status == "nonfinite":
@@ -1286,7 +1302,7 @@ class Run:
             log(f"{self.dir} finished ({status}) at step {self.results.get('steps_done')}; these are its results (move "
                 f"the folder away to train it again)")
         elif os.path.exists(self.path("model.pt")):
-            self.ckpt = load_file(self.path("model.pt"))
+            self.ckpt = load_file(self.path("model.pt"), ("config", "vocab_size", "model"))
             same_settings(self.ckpt["config"], cfg, self.path("model.pt"))
             if "optimizer" not in self.ckpt:
                 raise ConfigError(f"{self.path('model.pt')} holds final weights but results.json does not say the run "
@@ -1296,7 +1312,7 @@ class Run:
         return os.path.join(self.dir, name)
 
     def begin(self, task, model, optimizer, scheduler, batches):
-        """Before the loop: the folder and config.json, the checkpoint restored if there is one; the first step."""
+        """Before the loop: the folder, config.json, the checkpoint restored if any; the first step."""
         cfg, n_params, device = self.cfg, sum(p.numel() for p in model.parameters()), next(model.parameters()).device
         self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
                  f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
@@ -1316,12 +1332,12 @@ class Run:
             for name, obj in self.state.items():
                 obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
             self.log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {cfg.steps:,}")
-            self.results = {**self.ckpt["results"], "guesses": guessed}  # a checkpoint written before guesses
+            self.results = self.ckpt["results"]
         h, self.t_last = self.results["history"], time.time()
         return cfg.steps + 1 if h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"] + 1
 
     def evaluated(self, step, loss_sum, ev):
-        """At each evaluation: the mean loss since the last (not finite: the run stops, NonFiniteLoss), the history
+        """At each evaluation: the mean loss since the last (not finite: NonFiniteLoss), the history
         with a check of the mechanism every analyze_every steps (watch), the progress line, a checkpoint."""
         cfg, r = self.cfg, self.results
         n = step - r["steps_done"]  # steps since the last evaluation
@@ -1329,8 +1345,10 @@ class Run:
         r["train_seconds"] += dt
         if not math.isfinite(loss):
             self.save("nonfinite")
+            ckpt = self.path("model.pt")
+            kept = os.path.exists(ckpt) and f"{ckpt} keeps the last good checkpoint"
             raise NonFiniteLoss(f"the training loss became {loss} between steps {step - n + 1} and {step} "
-                                f"(lr={cfg.lr:g}); {self.dir} keeps the last good checkpoint, for --load")
+                                f"(lr={cfg.lr:g}); {kept or 'no checkpoint was written before it'}")
         r["history"].append(h := {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer":
                                   round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
         if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
@@ -1344,28 +1362,25 @@ class Run:
         self.ev, self.t_last = ev, time.time()
 
     def end(self):
-        """After the loop: the final evaluation, wrong examples and weights (train then adds the grid)."""
+        """After the loop: the final evaluation and the weights (train then adds the grid)."""
         cfg, r, model, task = self.cfg, self.results, self.model, self.task
         ev = self.ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
-        r["wrong_examples"] = wrong_examples(task, task.eval, ev["preds"])
         self.save("target reached" if 0 < cfg.target_acc <= ev["acc"] else "completed", step=r["steps_done"],
                   model=model.state_dict())
         self.log(f"done ({r['status']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
                  f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
-        for line in r["wrong_examples"]:
-            self.log("  wrong: " + line)
         return r
 
     def save(self, status, **model_pt):
-        """results.json, with a status at the run's end; with model_pt, first model.pt (a checkpoint, or weights)."""
+        """results.json (a status at the end), then with model_pt model.pt (checkpoint or weights)."""
         r = self.results
         if status:
             r.update(status=status, train_seconds=round(r["train_seconds"], 2),
                      ms_per_step=round(1000 * r["train_seconds"] / max(1, r["steps_done"]), 3))
-        if model_pt:
+        save_file(self.path("results.json"), r)
+        if model_pt:  # if this fails, the last checkpoint stays
             save_file(self.path("model.pt"), {"config": asdict(self.cfg), "vocab_size":
                                               self.model.embed.num_embeddings, **model_pt})
-        save_file(self.path("results.json"), r)
         return r
 
 
@@ -1377,16 +1392,18 @@ def load_run(run_dir, **expect):
     path = os.path.join(run_dir, "model.pt")
     if not os.path.isfile(path):
         raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
-    ckpt = load_file(path)
+    ckpt = load_file(path, ("config", "vocab_size", "model"))
     try:
         cfg = Config(**ckpt["config"])
     except TypeError as e:
         raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
-    if os.path.exists(os.path.join(run_dir, "config.json")):  # a model.pt brought in from another run
-        same_settings(load_file(os.path.join(run_dir, "config.json")), cfg, os.path.join(run_dir, "config.json"))
-    k = next((k for k, v in expect.items() if k not in EVAL_ONLY_FIELDS and getattr(cfg, k) != v), None)
+    config = os.path.join(run_dir, "config.json")
+    if os.path.exists(config):  # a model.pt brought in from another run
+        same_settings(load_file(config, ("task", "arch")), cfg, config)
+    k = next((k for k, v in expect.items() if k not in EVAL_ONLY_FIELDS and getattr(cfg, k, None) != v), None)
     if k is not None:
-        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={expect[k]}; drop --{k}")
+        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={expect[k]}; drop --{k}"
+                          if hasattr(cfg, k) else f"{k} is not a setting of Config")
     cfg = replace(cfg, **{k: v for k, v in expect.items() if k in EVAL_ONLY_FIELDS})
     model = build_model(cfg, ckpt["vocab_size"])
     try:
@@ -1418,7 +1435,7 @@ def paper_lrs(task, arch):
 
 
 def paper_acc(cfg, test=False):
-    """The paper's accuracy (%) for cfg (test: the generalisation split's test documents), or None if it has none."""
+    """The paper's accuracy (%) for cfg (test: the generalisation split's test), or None if it has none."""
     if (cfg.n_layers, cfg.d_conv, cfg.pos_emb, cfg.batch_size, cfg.n_train) != (2, "auto", "auto", 32, 100_032):
         return None
     if cfg.task == "ar" and (cfg.n_pairs, cfg.n_keys, cfg.n_values) == (16, 4096, 4096) and not test:
@@ -1465,7 +1482,7 @@ def best_rows(label, cfgs, results, widths):
         rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": lr,
                      "n_params": best.get("n_params"),
                      "run": cfg.run_name, **stats[lr], "paper_acc": paper_acc(cfg), "steps": best.get("steps_done"),
-                     "paper_test_acc": paper_acc(cfg, test=True),  # the generalisation split's test documents
+                     "paper_test_acc": paper_acc(cfg, test=True),  # the generalisation split's
                      "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False),
                      "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{lr:g}": {k: v for k, v in s.items() if "attribution" not in k}
@@ -1500,7 +1517,7 @@ def md_table(header, rows):
         ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
 
 
-def save_summary(out_dir, title, rows, log=print):
+def save_summary(out_dir, title, rows, runs, log=print):
     """summary.json and summary.md (also logged): best rate per width, every rate over seeds, dev -> test."""
     gen = [r for r in rows if "test_acc" in r]
     pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
@@ -1519,7 +1536,7 @@ def save_summary(out_dir, title, rows, log=print):
         [(r["label"], r["d_model"], r["acc"], r["paper_acc"], r["test_acc"], r["paper_test_acc"],
           *(f"{num(r['attribution'][k])} -> {num(r['test_attribution'][k])}" for k in ("value", "key", "query")))
          for r in gen])] if gen else []
-    summary = {"title": title, "rows": rows}
+    summary = {"title": title, "runs": runs, "rows": rows}
     os.makedirs(out_dir, exist_ok=True)
     save_file(os.path.join(out_dir, "summary.json"), summary)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
@@ -1534,6 +1551,16 @@ def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None, shar
     grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
               for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
     every = lambda name: sorted({getattr(c, name) for g in grids for c in g})
+    summaries = [(out_dir, sum(grids, []))]  # and a preset's, per entry
+    summaries += [(cfg.out_dir, g) for (_, cfg), g in zip(entries, grids) if cfg.out_dir != out_dir]
+    runs = {f: [os.path.relpath(os.path.join(c.out_dir, c.run_name), f) for c in g] for f, g in summaries}
+    for folder in runs:  # refused before any training
+        twice = next((r for i, r in enumerate(runs[folder]) if r in runs[folder][:i]), None)
+        path = os.path.join(folder, "summary.json")
+        old = load_file(path, ("title", "runs", "rows")) if os.path.exists(path) else None
+        if twice or (old["runs"] != runs[folder] if old else os.path.exists(path[:-4] + "md")):
+            raise ConfigError(f"the grid names run {twice} twice; give each value once" if twice else
+                              f"{folder} holds another summary; give another --out_dir")
     log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
         f"{every('lr')} x seeds {every('seed')}, in {out_dir}")
     if shard:
@@ -1545,8 +1572,8 @@ def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None, shar
         res, results = results[:len(grid)], results[len(grid):]
         rows += best_rows(label, grid, res, widths)
         if cfg.out_dir != out_dir:
-            save_summary(cfg.out_dir, label, rows[-len(widths):], log=lambda s: None)
-    return save_summary(out_dir, title, rows, log)
+            save_summary(cfg.out_dir, label, rows[-len(widths):], runs[cfg.out_dir], log=lambda s: None)
+    return save_summary(out_dir, title, rows, runs[out_dir], log)
 
 
 def presets():
@@ -1586,20 +1613,18 @@ def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None, shard=N
 
 
 def plot(folder, log=print):
-    """The PNG of a sweep or preset folder, like the paper's figures: accuracy by width (the paper's dashed); of a run
-    folder, plot_history. Needs matplotlib. summary.md holds each width's attributions."""
-    path, run = (os.path.join(folder, name) for name in ("summary.json", "results.json"))
-    if not os.path.isfile(path) and not os.path.isfile(run):
-        raise ConfigError(f"no summary.json or results.json in {folder}; --plot takes a sweep's or a run's folder")
+    """accuracy_by_width.png of a sweep or preset folder, like the paper's figures (the paper's: dashed). Needs
+    matplotlib."""
+    path = os.path.join(folder, "summary.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no summary.json in {folder}; --plot takes the folder of a sweep or preset")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed; pip install matplotlib") from None
-    if not os.path.isfile(path):
-        return plot_history(folder, load_file(run), plt, log)
-    rows = load_file(path).get("rows")
+    rows = load_file(path, ("rows",))["rows"]
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"{path} holds no rows of a sweep; run the sweep's command again to write it")
     groups = {}
@@ -1613,35 +1638,12 @@ def plot(folder, log=print):
     ticks = sorted({r["d_model"] for r in rows})
     ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
            title="accuracy by width (x, dashed: the paper)")
-    ax.minorticks_off()  # a log axis spanning under a decade would label 2x10^1, 3x10^1, ... between the widths
+    ax.minorticks_off()  # no 2x10^1, 3x10^1 labels between the widths
     ax.legend(fontsize=7)
-    save_figures(folder, {"accuracy_by_width.png": fig}, plt, log)
-
-
-def save_figures(folder, figures, plt, log=print):
-    for name, fig in figures.items():
-        fig.tight_layout()
-        fig.savefig(os.path.join(folder, name), dpi=120)
-        log(f"wrote {os.path.join(folder, name)}")
-    plt.close("all")
-
-
-def plot_history(folder, results, plt, log=print):
-    """formation.png of a run trained with analyze_every: accuracies, the gap and the attributions each verdict read."""
-    watched = [h for h in results.get("history", []) if "verdict" in h]
-    if not watched:
-        raise ConfigError(f"{folder} holds no checks of the mechanism; train it with --analyze_every N (N > 0)")
-    steps = [h["step"] for h in watched]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in results["history"]], [h["acc"] for h in results["history"]], "k-", label="accuracy")
-    ax.plot(steps, [h["train_acc"] for h in watched], "k--", label="accuracy, training documents")
-    ax.plot(steps, [h["gap"] for h in watched], "k:", label="p_clean - p_corrupt")
-    for k in (*ROUTE, "query"):
-        ax.plot(steps, np.array([h["verdict"]["reads"].get(k) for h in watched], float), "o-", ms=3, label=k)
-    final = verdict_text((results.get("mechanism") or watched[-1])["verdict"], numbers=False)
-    ax.set(xlabel="step", ylabel="accuracy, attribution", title=f"{results['config']['arch']}: {final} at the end")
-    ax.legend(fontsize=7)
-    save_figures(folder, {"formation.png": fig}, plt, log)
+    fig.tight_layout()
+    fig.savefig(png := os.path.join(folder, "accuracy_by_width.png"), dpi=120)
+    plt.close(fig)
+    log(f"wrote {png}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1653,7 +1655,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _numbers(kind):  # each value is then checked as the setting it becomes (a width as d_model, a rate as lr)
+def _numbers(kind):  # each value is then checked as its setting (a width as d_model)
     parse = lambda s: tuple(kind(v) for v in s.split(","))
     parse.__name__ = f"comma-separated {kind.__name__} list"  # named in argparse's error
     return parse
@@ -1668,6 +1670,7 @@ def _shard(s):
 
 def parse_args(argv=None):
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
+    p._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e-3 is a value (Python 3.13)
     for f in fields(Config):
         flag = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)  # --no-compile
         extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
@@ -1696,12 +1699,10 @@ def evaluate_run(run_dir, args, log=print):
     task = make_task(cfg, train=False)
     ev = evaluate(model, task.eval)
     log(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
-    for line in wrong_examples(task, task.eval, ev["preds"]):
-        log("  wrong: " + line)
     path = os.path.join(run_dir, "results.json")
-    results = load_file(path) if os.path.exists(path) else {}  # read first: a bad file stops before the analysis
+    results = load_file(path) if os.path.exists(path) else {}  # a bad file stops before the analysis
     found = analyze(model, task, cfg, {}, log, intervene=args.get("analyze", False))
-    if args.get("analyze", False):  # a grid of other analysis settings is kept beside the training's, not over it
+    if args.get("analyze", False):  # another setting's grid: beside the training's
         if any(results.get("config", {}).get(k, getattr(cfg, k)) != getattr(cfg, k) for k in ("corrupt", "n_eval")):
             again = dict(corrupt=cfg.corrupt, n_eval=cfg.n_eval, **found)
             found = {"reanalyses": results.get("reanalyses", []) + [again]}
@@ -1716,6 +1717,10 @@ def main(argv=None):
         if len(flags) > 1 or ("plot" in flags and args):  # one would be ignored
             raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one" if len(flags) > 1 else
                               f"--plot takes a folder and nothing else, not --{' --'.join(args)}")
+        k = next((k for k in ("d_model", "lr", "run_name") if k in args and flags.keys() & {"sweep", "preset"}), None)
+        if k or 0 < args.get("analyze_every", 0) > Config(**args).steps and not flags.keys() & {"load", "plot"}:
+            raise ConfigError(f"--{min(flags)} sets each run's {k}; leave out --{k}" if k else
+                              f"analyze_every={args['analyze_every']} is more than the steps")
         if "plot" in flags:
             plot(flags["plot"])
         elif "preset" in flags:
@@ -1737,8 +1742,8 @@ def main(argv=None):
         print(f"error: the run does not fit in memory (a {type(e).__name__} while allocating); give a smaller "
               f"d_model, n_keys, n_values or n_train", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; the run folder keeps the last checkpoint, and the same command continues from it",
+    except KeyboardInterrupt:  # each file is written whole (save_file) or not at all
+        print("interrupted; saved files are kept; the same command resumes from a checkpoint, if any",
               file=sys.stderr)
         return 130
     return 0

@@ -1615,9 +1615,11 @@ def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None, shard=N
 def plot(folder, log=print):
     """accuracy_by_width.png of a sweep or preset folder, like the paper's figures (the paper's: dashed). Needs
     matplotlib."""
-    path = os.path.join(folder, "summary.json")
+    path, png = os.path.join(folder, "summary.json"), os.path.join(folder, "accuracy_by_width.png")
     if not os.path.isfile(path):
         raise ConfigError(f"no summary.json in {folder}; --plot takes the folder of a sweep or preset")
+    if os.path.exists(png) and b"mecheval" not in open(png, "rb").read():  # savefig's metadata marks ours
+        raise ConfigError(f"{png} is not a figure this tool drew; move it away to draw here")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1641,7 +1643,7 @@ def plot(folder, log=print):
     ax.minorticks_off()  # no 2x10^1, 3x10^1 labels between the widths
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(png := os.path.join(folder, "accuracy_by_width.png"), dpi=120)
+    fig.savefig(png, dpi=120, metadata={"Software": "mecheval"})
     plt.close(fig)
     log(f"wrote {png}")
 

@@ -1392,6 +1392,10 @@ def test_plot_draws_a_sweep_folder(tmp_path, capsys, monkeypatch):
     assert m.main(["--plot", str(tmp_path)]) == 0
     png = (tmp_path / "accuracy_by_width.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert m.main(["--plot", str(tmp_path)]) == 0  # its own figure is drawn again
+    (tmp_path / "accuracy_by_width.png").write_bytes(png.replace(b"mecheval", b"someone"))  # another tool's
+    assert m.main(["--plot", str(tmp_path)]) == 2 and "is not a figure this tool drew" in capsys.readouterr().err
+    assert (tmp_path / "accuracy_by_width.png").read_bytes() == png.replace(b"mecheval", b"someone")
 
 
 def test_plot_takes_a_sweep_folder_not_a_run_folder(tmp_path, capsys):

@@ -608,7 +608,7 @@ def train(cfg, log=print):
     makes the folder and restores a checkpoint; evaluated, at each evaluation, stops on a NaN loss, keeps the history
     and a checkpoint, prints the progress line, checks the mechanism; end evaluates and saves the weights."""
     run = Run(cfg, log)  # the run folder, out_dir/run_name: refused if it holds other settings
-    if run.finished:     # a finished run is not trained again: its results as they are
+    if run.finished:     # not trained again: its results as they are
         return run.results
     device = setup(cfg)
     task = make_task(cfg)
@@ -626,7 +626,7 @@ def train(cfg, log=print):
         schedule.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             ev = evaluate(model, task.eval)
-            run.evaluated(step, loss_sum, ev)  # history, progress, checkpoint, watch; NaN stops
+            run.evaluated(step, loss_sum, ev)
             loss_sum.zero_()
             if 0 < cfg.target_acc <= ev["acc"]:  # the early stop
                 break
@@ -810,11 +810,10 @@ def verdict(mech, threshold=0.5):
     "no verdict": the corruption costs <= 0.01 of p(answer), so no attribution is defined. The rule reads a key
     corruption (corrupt=key). On ATR the value is the child's parent, often the very next token: there value and
     next key are one position, and a one-token carry reads as induction (split the documents to tell them apart).
-    Sibling queries are not read: two thirds of the children answer themselves (no value), so the value column
-    would stand on other documents than the key's."""
+    Sibling queries are not read: two thirds of the children answer themselves, with no value position."""
     unread = ("sibling queries" if mech.get("query") == "sibling" else
               "value corrupted" if mech.get("corrupt", "key") != "key" else None)
-    if unread:  # a sibling answer: no one position holds what the rule reads
+    if unread:
         return {"kind": f"not read ({unread})", "layer": None, "reads": {}}
     gap = mech["p_clean"] - mech["p_corrupt"]
     if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
@@ -1689,7 +1688,7 @@ def parse_args(argv=None):
              "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets())),
             ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
-            ("plot", dict(metavar="DIR"), "draw the PNGs of a sweep or preset folder (needs matplotlib)")):
+            ("plot", dict(metavar="DIR"), "draw accuracy_by_width.png of a sweep or preset folder (needs matplotlib)")):
         p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
     return vars(p.parse_args(argv))
 

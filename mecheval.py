@@ -11,7 +11,7 @@ answer is stored at the value token) or by direct retrieval (computed at the que
 
 Reading order: config -> tasks (AR, ATR) -> one whole model, attention its mixer -> training -> interchange
 interventions and the verdict (a first read may stop there) -> the other mixers, a catalogue -> machinery:
-validation, run folders, sweeps and presets, plots, command line. kernels.py holds the fast
+validation, run folders, sweeps and presets, command line. kernels.py holds the fast
 forms of the expensive sequence operations, each beside its plain definition.
 
 Words: a document's named positions are key, value, next_key (the following pair's key), divider (the EOS
@@ -436,6 +436,10 @@ class Block(nn.Module):
         self.mixer = check_mixer(mixer_cls(cfg, layer_idx), cfg)
         self.norm2, self.mlp = (nn.LayerNorm(d), MLP(d)) if getattr(mixer_cls, "mlp", True) else (None, None)
 
+    @property
+    def conv(self):  # the site conv_output: the mixer's first ShortConv, None if it calls none
+        return next((mod for mod in self.mixer.modules() if isinstance(mod, ShortConv)), None)
+
     def forward(self, r):                # (B, L, d) -> (B, L, d)
         r = r + self.mixer(self.norm1(r))
         if self.mlp is not None:
@@ -503,10 +507,10 @@ def answer_logits(model, ids, query):
 
 
 def readable(model, split):
-    """A split of documents the model can read, or one ValueError sentence."""
-    n = model.embed.num_embeddings
-    if not len(split) or int(split.input_ids.max()) >= n:
-        raise ValueError(f"this split of {len(split)} documents is not of this model's task")
+    """A split of documents the model can read (its first nn.Embedding is the token table), or one ValueError."""
+    n = next(mod.num_embeddings for mod in model.modules() if isinstance(mod, nn.Embedding))
+    if not len(split.input_ids) or int(split.input_ids.max()) >= n:
+        raise ValueError(f"this split of {len(split.input_ids)} documents is not of this model's task")
 
 
 @torch.no_grad()
@@ -640,55 +644,76 @@ def train(cfg, log=print):
 # corrupted, its key replaced by another token of its kind. One clean activation, at one site,
 # layer and position, is patched into the corrupted run; how much of p(answer) comes back?
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt),
-# each mean over the documents that have the position (next_key: not where the last pair is queried). Sites (SITES),
-# read or replaced by a hook on a module (model_sites: those a model has):
-#     block_input, block_output   Block's input (pre-hook) / output: the residual stream; every model
-#     mixer_input, mixer_output   the mixer's input (pre-hook) / output; every model
-#     mlp_input, mlp_output       the MLP's input (pre-hook) / output; not Mamba (its blocks have no MLP)
-#     conv_output                 the output of the mixer's first ShortConv, if any
-# To reuse the method, copy SITES, POSITIONS, ROUTE, site_module, model_sites, hooks, read_at, write_at, patch,
-# interchange, corrupt_tokens, answer_logits, readable, mechanism, verdict and ShortConv (for conv_output). They
-# need model.blocks[l].mixer / .mlp, model.embed / .hidden / .head, task.classes, task.query and an eval Split (ids,
-# lengths, pos, answers).
+# each mean over the documents that have the position (next_key: not where the last pair is queried). A site is the
+# first positional input (_input) or the output (_output) of one module, found by its path with {layer} in it, as
+# pyvene's type_to_module_mapping. SITES maps mecheval's models; any other model brings its own mapping (the
+# README's "Your own model"): nothing from here to verdict_text names a module of mecheval's.
 
-SITES = ("block_input", "mixer_input", "conv_output", "mixer_output", "mlp_input", "mlp_output", "block_output")
+SITES = {"block_input": "blocks.{layer}",        # the residual stream into Block
+         "mixer_input": "blocks.{layer}.mixer",
+         "conv_output": "blocks.{layer}.conv",   # the mixer's short convolution, where it has one (Block.conv)
+         "mixer_output": "blocks.{layer}.mixer",
+         "mlp_input": "blocks.{layer}.mlp",      # none in Mamba's blocks
+         "mlp_output": "blocks.{layer}.mlp",
+         "block_output": "blocks.{layer}"}       # the same tensor as block_input of the next layer
 POSITIONS = ("key", "value", "next_key", "divider", "query")
 
 
-def site_module(model, site, layer, strict=True):
-    """The module whose input or output is `site` of block `layer` (strict=False: None if it has none)."""
-    if site not in SITES:
-        raise ValueError(f"unknown site '{site}'; allowed: {', '.join(SITES)}")
-    if not 0 <= layer < len(model.blocks):
-        raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(model.blocks) - 1}")
-    block = model.blocks[layer]
-    part = site.rsplit("_", 1)[0]
-    conv = next((mod for mod in block.mixer.modules() if isinstance(mod, ShortConv)), None)
-    module = {"block": block, "mixer": block.mixer, "mlp": block.mlp, "conv": conv}[part]
-    if module is None and strict:
-        raise ValueError(f"site '{site}' does not exist in layer {layer}: " + (
-            "its blocks have no MLP (Mamba); use block_* or mixer_* sites" if part == "mlp"
-            else f"its {type(block.mixer).__name__} mixer has no short convolution"))
+def site_module(model, site, layer, sites=SITES):
+    """The module whose input or output is `site` in `layer`; None where the model holds None there (Mamba's mlp,
+    Block.conv of a mixer without a short convolution). A path the model lacks is one ValueError sentence."""
+    if site not in sites:
+        raise ValueError(f"unknown site '{site}'; allowed: {', '.join(sites)}")
+    module, path = model, sites[site].format(layer=layer)
+    for name in path.split("."):
+        module = getattr(module, name, "missing")  # a ModuleList's item too: getattr(blocks, "0")
+        if module is None:
+            return None
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"site '{site}' of layer {layer}: the model has no module '{path}'")
     return module
 
 
-def model_sites(model):
-    return [(s, l) for l in range(len(model.blocks)) for s in SITES if site_module(model, s, l, False) is not None]
+def model_sites(model, sites=SITES):
+    """Every (site, layer) of the model but where its module is None. The layers are the items of the list that
+    {layer} indexes in the mapping's first path with one (mecheval's blocks, GPT-2's transformer.h)."""
+    site, path = next((s, p) for s, p in sites.items() if ".{layer}" in p)
+    layers = len(site_module(model, site, 0, {site: path.split(".{layer}")[0]}))
+    return [(site, layer) for layer in range(layers) for site in sites
+            if site_module(model, site, layer, sites) is not None]
 
 
 @contextmanager
-def hooks(model, edits):
-    """Run the model with edits = {(site, layer): fn}; fn(x) gets the activation (B, L, d or the conv's
-    channels) and returns its replacement, or None. Hooks go on exit, even on error."""
-    handles = []
+def hooks(model, edits, sites=SITES):
+    """Run the model with edits = {(site, layer): fn}: fn(x) gets the activation x (B, L, channels), the module's first
+    positional input or its output (a tuple's first element), and returns its replacement, or None. Every other
+    argument and element passes through as it was. A site that does not run is one ValueError sentence; the hooks
+    go on exit, even on error."""
+    handles, ran = [], set()
+
+    def edit(key, fn, x, what):  # x: the module's positional arguments, or its output
+        first = x[0] if isinstance(x, tuple) and x else x
+        if not torch.is_tensor(first):
+            raise ValueError(f"site '{key[0]}' of layer {key[1]}: its module's {what} is not a tensor (B, L, channels)"
+                             + "; it was called with keyword arguments only" * (isinstance(x, tuple) and not x))
+        ran.add(key)
+        new = fn(first)
+        return None if new is None else (new, *x[1:]) if isinstance(x, tuple) else new
     try:
-        for (site, layer), fn in edits.items():
-            module = site_module(model, site, layer)
-            if site.endswith("_input"):  # every hooked module takes one input; a returned tensor replaces it
-                handles.append(module.register_forward_pre_hook(lambda mod, args, fn=fn: fn(args[0])))
+        for key, fn in edits.items():
+            module = site_module(model, *key, sites)
+            if module is None:
+                raise ValueError(f"site '{key[0]}' does not exist in layer {key[1]} of this model")
+            if key[0].endswith("_input"):  # what a pre-hook returns replaces *all* the positional arguments
+                handles.append(module.register_forward_pre_hook(
+                    lambda mod, args, key=key, fn=fn: edit(key, fn, args, "first positional input")))
             else:
-                handles.append(module.register_forward_hook(lambda mod, args, out, fn=fn: fn(out)))
+                handles.append(module.register_forward_hook(
+                    lambda mod, args, out, key=key, fn=fn: edit(key, fn, out, "output")))
         yield
+        idle = [key for key in edits if key not in ran]
+        if idle:
+            raise ValueError(f"site '{idle[0][0]}' of layer {idle[0][1]}: its module did not run in the forward")
     finally:
         for h in handles:
             h.remove()
@@ -713,63 +738,92 @@ def write_at(positions, values):
     return fn
 
 
-def patch(model, ids, site, layer, positions, values, forward=None):
-    """forward(ids) (default: the model, logits (B, L, V)) with the activation at `site` of block `layer` replaced, in
-    document b at positions[b] (-1: nowhere), by values[b]: a patched forward, the intervention's one step."""
-    with hooks(model, {(site, layer): write_at(positions, values)}):
+def patch(model, ids, site, layer, positions, values, forward=None, sites=SITES):
+    """forward(ids) (default: the model) with the activation at `site` of `layer` replaced, in document b at
+    positions[b] (-1: nowhere), by values[b]: a patched forward, the intervention's one step."""
+    with hooks(model, {(site, layer): write_at(positions, values)}, sites):
         return (forward or model)(ids)
 
 
-def interchange(model, corrupted_ids, clean_ids, site, layer, positions):
-    """One interchange intervention: the logits (B, L, V) of the corrupted documents, with the clean documents'
-    activation at `site` of block `layer` patched in at positions (B,), one a document (-1: none). mechanism does
-    the same for a whole grid: one clean forward reads every cell's activations, then patch for each cell."""
-    read = {}
-    with hooks(model, {(site, layer): read_at({"x": positions}, read)}):
-        model.hidden(clean_ids)
-    return patch(model, corrupted_ids, site, layer, positions, read["x",])
+def logits_of(out):
+    """The logits (B, L, V) in a model's output: the output itself, its first element (nanoGPT's GPT), or its
+    "logits" (a dict; Hugging Face's outputs are dicts)."""
+    return out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out
+
+
+def query_logits(model, ids, query):
+    """Logits (B, V) at each document's query: ids (B, L), query (B,)."""
+    if hasattr(model, "hidden") and hasattr(model, "head"):  # mecheval's: the head at the query only
+        return answer_logits(model, ids, query)
+    logits = logits_of(model(ids))
+    if logits.shape[:2] != ids.shape:
+        raise ValueError(f"the model gave logits of shape {tuple(logits.shape)} for ids of shape {tuple(ids.shape)}; "
+                         f"mechanism reads (B, L, V), every position's")
+    return logits[torch.arange(len(ids), device=ids.device), query]
 
 
 def corrupt_tokens(task, split, which, gen):
     """The split's ids with the token at pos[which] replaced by a uniformly random *other* token of the
     same class (another key / value for AR, another terminal for ATR)."""
     lo, hi = task.classes[which]
-    ids, rows, at = split.input_ids.clone(), torch.arange(len(split)), split.pos[which]
-    new = lo + torch.randint(0, hi - lo - 1, (len(split),), generator=gen)  # skip the original below
+    ids, rows, at = split.input_ids.clone(), torch.arange(len(split.input_ids)), split.pos[which]
+    new = lo + torch.randint(0, hi - lo - 1, (len(rows),), generator=gen)  # skip the original below
     ids[rows, at] = new + (new >= ids[rows, at]).long()
     return ids
 
 
+def check_inputs(model, task, split, corrupt):
+    """What mechanism reads, else one ValueError sentence naming what is missing: split.input_ids (M, L), ids the
+    model can read; split.lengths and split.answers (M,); split.pos[name] (M,) for each of POSITIONS, -1 where a
+    document lacks it; task.classes[corrupt] = (lo, hi), the ids [lo, hi) a corrupted token is drawn from."""
+    need = [f"split.{a}" for a in ("input_ids", "lengths", "answers", "pos") if not hasattr(split, a)]
+    need += [f"split.pos['{k}']" for k in POSITIONS if k not in getattr(split, "pos", POSITIONS)]
+    need += [] if corrupt in getattr(task, "classes", {}) else [f"task.classes['{corrupt}']"]
+    if need:
+        raise ValueError(f"mechanism needs {need[0]}; check_inputs says what a split and a task hold")
+    if (split.pos[corrupt] < 0).any():
+        raise ValueError(f"corrupt='{corrupt}' needs a {corrupt} in every document; "
+                         f"{int((split.pos[corrupt] < 0).sum())} of {len(split.input_ids)} have none")
+    if model.training and any(isinstance(mod, nn.Dropout) and mod.p > 0 for mod in model.modules()):
+        raise ValueError("the model is in training mode, with dropout: call model.eval() first, or the grid is random")
+    readable(model, split)
+
+
 @torch.no_grad()
-def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
-    """The grid: an interchange intervention at every (site, layer, position), or at `cells` only, on a split (default:
-    eval). One clean forward reads every activation the cells patch in, one corrupted forward gives p_corrupt, then
-    one patched forward a cell, batched over the M documents, each patched at its own position: 2 + cells forwards.
-    Returns p_clean, p_corrupt, the grid (one entry a cell) and the verdict (None if `cells` lack what it reads)."""
+def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None, sites=SITES):
+    """The grid: an interchange intervention at every (site, layer, position) of `sites`, or at `cells` only, on a
+    split (default: eval). One clean forward reads every activation the cells patch in, one corrupted forward gives
+    p_corrupt, then one patched forward a cell, batched over the M documents, each patched at its own position:
+    2 + cells forwards. Returns p_clean, p_corrupt, the grid (one entry a cell) and the verdict (None if `cells`
+    lack what it reads)."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
-    readable(model, split)
     if corrupt not in ("key", "value"):
         raise ValueError(f"unknown corrupt '{corrupt}'; allowed: key, value")
+    check_inputs(model, task, split, corrupt)
     L = int(split.lengths.max())
     clean = split.input_ids[:, :L].to(device)
     corrupted = corrupt_tokens(task, split, corrupt, torch.Generator().manual_seed(seed))[:, :L].to(device)
     query, answer = split.pos["query"].to(device), split.answers.to(device)
     pos = {k: split.pos[k].to(device) for k in POSITIONS}
-    rows = torch.arange(len(split), device=device)
+    rows = torch.arange(len(clean), device=device)
 
-    def p_answer(ids):  # (M,) probability of the correct answer at the query, without (M, L, V) logits
-        return answer_logits(model, ids, query).softmax(-1)[rows, answer]
+    def p_answer(ids):  # (M,) probability of the correct answer at the query
+        return query_logits(model, ids, query).softmax(-1)[rows, answer]
 
-    cells = cells or [(site, layer, k) for site, layer in model_sites(model) for k in POSITIONS]
+    layers = {layer for _, layer in model_sites(model, sites)}
+    if cells is not None and (not cells or any(k not in POSITIONS or l not in layers for _, l, k in cells)):
+        raise ValueError(f"cells must be a non-empty list of (site, layer, position), layer one of "
+                         f"{sorted(layers)} and position one of {', '.join(POSITIONS)}")
+    cells = cells or [(site, layer, k) for site, layer in model_sites(model, sites) for k in POSITIONS]
     acts = {}  # (site, layer, position) -> (M, d or conv channels): the clean activations patched in
-    with hooks(model, {(site, layer): read_at(pos, acts, (site, layer)) for site, layer, _ in cells}):
+    with hooks(model, {(site, layer): read_at(pos, acts, (site, layer)) for site, layer, _ in cells}, sites):
         p_clean = p_answer(clean)
-    logits = answer_logits(model, corrupted, query)  # the corrupted run: its p(answer) and its accuracy
+    logits = query_logits(model, corrupted, query)  # the corrupted run: its p(answer) and its accuracy
     p_corrupt, acc_corrupt = logits.softmax(-1)[rows, answer], (logits.argmax(-1) == answer).float().mean().item()
     means = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
     for site, layer, k in cells:
-        p_patched = patch(model, corrupted, site, layer, pos[k], acts[site, layer, k], p_answer)
+        p_patched = patch(model, corrupted, site, layer, pos[k], acts[site, layer, k], p_answer, sites)
         has = (pos[k] >= 0).float()
         mean = lambda p: (p * has).sum() / has.sum().clamp(min=1)
         means.append(torch.stack([mean(p_clean), mean(p_corrupt), mean(p_patched)]))
@@ -778,9 +832,9 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None):
         gap = clean_p - corrupt_p
         grid.append({"site": site, "layer": layer, "position": k, "p_clean": clean_p, "p_corrupt": corrupt_p,
                      "p_patched": patched_p, "attribution": (patched_p - corrupt_p) / gap if gap > 0.01 else None})
-    result = {"corrupt": corrupt, "query": task.query, "n_docs": len(split), "p_clean": p_clean.mean().item(),
-              "p_corrupt": p_corrupt.mean().item(), "acc_corrupt": acc_corrupt, "n_layers": len(model.blocks),
-              "grid": grid, "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
+    result = {"corrupt": corrupt, "query": getattr(task, "query", "parent"), "n_docs": len(clean),
+              "p_clean": p_clean.mean().item(), "p_corrupt": p_corrupt.mean().item(), "acc_corrupt": acc_corrupt,
+              "n_layers": len(layers), "grid": grid, "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
     try:
         result["verdict"] = verdict(result)
     except KeyError:  # `cells` without those the verdict reads
@@ -961,28 +1015,45 @@ class Mamba(nn.Module):
         self.conv1d = ShortConv(E, self.d_conv) if self.d_conv else nn.Conv1d(E, E, 4, groups=E, padding=3)
         self.x_proj = nn.Linear(E, r + 2 * N, bias=False)
         self.dt_proj = nn.Linear(r, E)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(E, 1))   # A = -[1..N]
-        self.D = nn.Parameter(torch.ones(E))
+        self.A_log, self.D = nn.Parameter(torch.empty(E, N)), nn.Parameter(torch.empty(E))
         self.out_proj = writes_residual(nn.Linear(E, d, bias=False))
-        # Δ's projection: weight U(±r^-1/2); bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1], >= 1e-4
-        nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
-        dt = torch.exp(torch.rand(E) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.n_layers = cfg.n_layers
+        self.init_ssm()
+
+    @torch.no_grad()
+    def init_ssm(self):
+        """A = -[1..N] in every channel, D = 1; Δ's projection: weight U(±r^-1/2), bias = softplus⁻¹(dt), dt
+        log-uniform in [1e-3, 1e-1], >= 1e-4 (mamba_simple.py, Mamba.__init__)."""
+        self.A_log.copy_(torch.log(torch.arange(1, self.A_log.shape[1] + 1).float()))  # broadcast over channels
+        self.D.fill_(1.0)
+        nn.init.uniform_(self.dt_proj.weight, -self.dt_proj.in_features ** -0.5, self.dt_proj.in_features ** -0.5)
+        dt = torch.exp(torch.rand(len(self.D)) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    @torch.no_grad()
+    def init_out_proj(self):  # PyTorch's default, U(±1/√fan_in), divided by √n_layers (mamba_ssm's rescale)
+        self.out_proj.reset_parameters()
+        self.out_proj.weight /= math.sqrt(self.n_layers)
+
+    def reset_parameters(self):
+        """This mixer's whole init as mecheval builds it, for a host model: call it after the host's own init (say
+        nanoGPT's N(0, 0.02) on every Linear, biases zeroed), which would leave Δ near ln 2 and the model at
+        chance. Linear and conv weights take PyTorch's default."""
+        for layer in (self.in_proj, self.conv1d, self.x_proj):
+            layer.reset_parameters()
+        self.init_out_proj()
+        self.init_ssm()
 
     @staticmethod
     def init_weights(model, n_layers):
-        """mamba_ssm's _init_weights: Linear weights keep PyTorch's default, biases are zeroed except dt_proj's,
-        embeddings N(0, 0.02), out_proj redrawn U(±1/√fan_in)/√n_layers."""
-        for name, m in model.named_modules():
+        """mamba_ssm's _init_weights for a model of Mambas: embeddings N(0, 0.02), out_proj redrawn (init_out_proj);
+        Linear weights keep PyTorch's default, and dt_proj's bias, the only one, its own."""
+        for m in model.modules():
             if isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None and not name.endswith("dt_proj"):
-                nn.init.zeros_(m.bias)
-        for m in (m for m in model.modules() if getattr(m, "writes_residual", False)):
-            nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
-            with torch.no_grad():
-                m.weight /= math.sqrt(n_layers)
+        for m in model.modules():
+            if isinstance(m, Mamba):
+                m.init_out_proj()
 
     def forward(self, u):                                               # (B, L, d)
         x, z = self.in_proj(u).chunk(2, dim=-1)                         # (B, L, E) each
@@ -1121,7 +1192,7 @@ class H3(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The rest is machinery: validation, run folders and resume, sweeps and presets, plots, command line.
+# The rest is machinery: validation, run folders and resume, sweeps and presets, command line.
 
 def config_errors(c):
     """(is it wrong, what to say) for the settings of Config c, checked in this order."""
@@ -1209,14 +1280,6 @@ def watch(model, task, cfg):
     mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=cells)
     return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
             "verdict": mech["verdict"]}
-
-
-def guesses(task):
-    """How often a guess that never reads the key is right on the evaluation split: the sentence's last token (on
-    ATR the root's head)."""
-    ev = task.eval
-    last = ev.input_ids.gather(1, ev.pos["divider"][:, None] - 1)[:, 0]
-    return {"last_token": (last == ev.answers).float().mean().item()}
 
 
 def save_file(path, obj):
@@ -1316,8 +1379,6 @@ class Run:
         self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
                  f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
         self.log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
-        guessed = guesses(task)  # what a model that never reads the key reaches
-        self.log("guessed without the key: " + ", ".join(f"{k} {v:.1%}" for k, v in guessed.items()))
         try:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
@@ -1326,7 +1387,7 @@ class Run:
         self.task, self.model = task, model
         self.state = dict(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
         self.results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
-                        "history": [], "train_seconds": 0.0, "guesses": guessed}
+                        "history": [], "train_seconds": 0.0}
         if self.ckpt is not None:
             for name, obj in self.state.items():
                 obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
@@ -1417,32 +1478,10 @@ def load_run(run_dir, **expect):
 # Experiments: learning-rate x width sweeps with best-run selection, as the paper reports its numbers.
 
 PAPER_WIDTHS = (16, 32, 64, 128, 256)
-PAPER_AR = {  # AR accuracy (%) by width, 2 layers, best learning rate per width (the paper's AR figure)
-    "attention": (6.56, 100.0, 100.0, 100.0, 100.0), "based": (24.38, 93.12, 99.06, 98.75, 99.06),
-    "mamba": (10.00, 76.88, 80.62, 89.69, 91.25), "hyena": (0.62, 0.94, 2.81, 13.75, 29.69),
-    "base_conv": (0.00, 0.94, 3.75, 6.56, 9.69), "h3": (0.94, 0.62, 1.88, 2.50, 1.56)}
-PAPER_ATR_EASY = {  # ATR easy accuracy (%) at d = 16 / 64 / 256
-    "attention": (68.4, 93.8, 96.3), "based": (82.2, 91.9, 92.2), "mamba": (91.3, 96.3, 96.3),
-    "h3": (81.9, 90.0, 94.1), "hyena": (75.9, 85.3, 93.8), "base_conv": (67.5, 82.5, 90.0)}
-PAPER_ATR_GEN = {  # ATR easy generalisation split (20 % of pairs held out), d=64: dev %, test %
-    "attention": (95.00, 60.00), "mamba": (96.88, 46.56), "h3": (88.44, 49.37), "based": (92.19, 48.44),
-    "hyena": (89.06, 34.06), "base_conv": (84.38, 19.69)}
 
 
 def paper_lrs(task, arch):
     return (3e-5, 1e-4, 3e-4, 1e-3, 3e-3) + ((1e-2, 3e-2) if task == "ar" and arch != "attention" else ())
-
-
-def paper_acc(cfg, test=False):
-    """The paper's accuracy (%) for cfg (test: the generalisation split's test), or None if it has none."""
-    if (cfg.n_layers, cfg.d_conv, cfg.pos_emb, cfg.batch_size, cfg.n_train) != (2, "auto", "auto", 32, 100_032):
-        return None
-    if cfg.task == "ar" and (cfg.n_pairs, cfg.n_keys, cfg.n_values) == (16, 4096, 4096) and not test:
-        return dict(zip(PAPER_WIDTHS, PAPER_AR.get(cfg.arch, ()))).get(cfg.d_model)
-    if cfg.task == "atr" and (cfg.atr_setting, cfg.atr_split) == ("easy", "iid") and not test:
-        return dict(zip((16, 64, 256), PAPER_ATR_EASY.get(cfg.arch, ()))).get(cfg.d_model)
-    if (cfg.task, cfg.atr_setting, cfg.atr_split, cfg.atr_heldout, cfg.d_model) == ("atr", "easy", "gen", 0.2, 64):
-        return PAPER_ATR_GEN.get(cfg.arch, (None, None))[test]
 
 
 def _quiet_run(cfg):
@@ -1480,8 +1519,7 @@ def best_rows(label, cfgs, results, widths):
         cfg, best = max(by_lr[lr], key=lambda cr: (cr[1].get("final_acc", 0.0), cr[1].get("final_p_answer", 0.0)))
         rows.append({"label": label, "task": cfg.task, "arch": cfg.arch, "d_model": d, "best_lr": lr,
                      "n_params": best.get("n_params"),
-                     "run": cfg.run_name, **stats[lr], "paper_acc": paper_acc(cfg), "steps": best.get("steps_done"),
-                     "paper_test_acc": paper_acc(cfg, test=True),  # the generalisation split's
+                     "run": cfg.run_name, **stats[lr], "steps": best.get("steps_done"),
                      "verdict": verdict_text((best.get("mechanism") or {}).get("verdict"), numbers=False),
                      "train_seconds": best.get("train_seconds"),
                      "acc_by_lr": {f"{lr:g}": {k: v for k, v in s.items() if "attribution" not in k}
@@ -1522,17 +1560,17 @@ def save_summary(out_dir, title, rows, runs, log=print):
     pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
     spread = lambda s: (pm(s), f"{s['acc_min']:.2f}–{s['acc_max']:.2f}", f"{s['successes']}/{s['n']}")
     lines = [f"{title}: best learning rate per width (on the mean over seeds)", ""] + md_table(
-        ("run", "d", "parameters", "best lr", "steps", "accuracy %", "min–max", "≥ 50 %", "paper %", "value", "key",
+        ("run", "d", "parameters", "best lr", "steps", "accuracy %", "min–max", "≥ 50 %", "value", "key",
          "query", "verdict"), [(r["label"], r["d_model"], f"{r.get('n_params') or 0:,}", f"{r['best_lr']:g}",
                                f"{r['steps'] or 0:,}", *spread(r),
-                      r["paper_acc"], *r["attribution"].values(), r["verdict"]) for r in rows])
+                      *r["attribution"].values(), r["verdict"]) for r in rows])
     lines += ["", "every rate over seeds", "", *md_table(("run", "d", "lr", "accuracy %", "min–max", "≥ 50 %"), [
         (r["label"], r["d_model"], lr, *spread(s)) for r in rows for lr, s in r["acc_by_lr"].items()])] \
         if any(r["n"] > 1 for r in rows) else []
     num = lambda v: "-" if v is None else f"{v:.2f}"
     lines += ["", "generalisation split: dev -> test", "", *md_table(
-        ("run", "d", "dev %", "paper", "test %", "paper", "value", "key", "query"),
-        [(r["label"], r["d_model"], r["acc"], r["paper_acc"], r["test_acc"], r["paper_test_acc"],
+        ("run", "d", "dev %", "test %", "value", "key", "query"),
+        [(r["label"], r["d_model"], r["acc"], r["test_acc"],
           *(f"{num(r['attribution'][k])} -> {num(r['test_attribution'][k])}" for k in ("value", "key", "query")))
          for r in gen])] if gen else []
     summary = {"title": title, "runs": runs, "rows": rows}
@@ -1611,42 +1649,6 @@ def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None, shard=N
     return run_sweeps(f"preset {name}", entries, widths, lrs, out_dir, log, seeds, shard)
 
 
-def plot(folder, log=print):
-    """accuracy_by_width.png of a sweep or preset folder, like the paper's figures (the paper's: dashed). Needs
-    matplotlib."""
-    path, png = os.path.join(folder, "summary.json"), os.path.join(folder, "accuracy_by_width.png")
-    if not os.path.isfile(path):
-        raise ConfigError(f"no summary.json in {folder}; --plot takes the folder of a sweep or preset")
-    if os.path.exists(png) and b"mecheval" not in open(png, "rb").read():  # savefig's metadata marks ours
-        raise ConfigError(f"{png} is not a figure this tool drew; move it away to draw here")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib, which is not installed; pip install matplotlib") from None
-    rows = load_file(path, ("rows",))["rows"]
-    if not isinstance(rows, list) or not rows:
-        raise ConfigError(f"{path} holds no rows of a sweep; run the sweep's command again to write it")
-    groups = {}
-    for r in sorted(rows, key=lambda r: r["d_model"]):
-        groups.setdefault(r["label"], []).append(r)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, rs in groups.items():
-        (line,) = ax.plot([r["d_model"] for r in rs], [r["acc"] for r in rs], "o-", label=label)
-        paper = [(r["d_model"], r["paper_acc"]) for r in rs if r["paper_acc"] is not None]
-        ax.plot(*zip(*paper), "x--", color=line.get_color(), alpha=0.6) if paper else None
-    ticks = sorted({r["d_model"] for r in rows})
-    ax.set(xscale="log", ylim=(-2, 102), xticks=ticks, xticklabels=ticks, xlabel="width d", ylabel="accuracy %",
-           title="accuracy by width (x, dashed: the paper)")
-    ax.minorticks_off()  # no 2x10^1, 3x10^1 labels between the widths
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120, metadata={"Software": "mecheval"})
-    plt.close(fig)
-    log(f"wrote {png}")
-
-
 # ----------------------------------------------------------------------------------------------------
 # Command line: one flag per Config field, plus --load.
 
@@ -1687,8 +1689,7 @@ def parse_args(argv=None):
             ("seeds", dict(type=_numbers(int), metavar="S,S,..."),
              "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
             ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets())),
-            ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)"),
-            ("plot", dict(metavar="DIR"), "draw accuracy_by_width.png of a sweep or preset folder (needs matplotlib)")):
+            ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)")):
         p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
     return vars(p.parse_args(argv))
 
@@ -1713,18 +1714,15 @@ def evaluate_run(run_dir, args, log=print):
 def main(argv=None):
     args = parse_args(argv)
     grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds", "shard") if k in args}  # sweep flags
-    flags = {k: args.pop(k) for k in ("sweep", "preset", "plot", "load") if k in args}
+    flags = {k: args.pop(k) for k in ("sweep", "preset", "load") if k in args}
     try:
-        if len(flags) > 1 or ("plot" in flags and args):  # one would be ignored
-            raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one" if len(flags) > 1 else
-                              f"--plot takes a folder and nothing else, not --{' --'.join(args)}")
+        if len(flags) > 1:  # one would be ignored
+            raise ConfigError(f"--{' and --'.join(flags)} do not go together; give one")
         k = next((k for k in ("d_model", "lr", "run_name") if k in args and flags.keys() & {"sweep", "preset"}), None)
-        if k or 0 < args.get("analyze_every", 0) > Config(**args).steps and not flags.keys() & {"load", "plot"}:
+        if k or 0 < args.get("analyze_every", 0) > Config(**args).steps and "load" not in flags:
             raise ConfigError(f"--{min(flags)} sets each run's {k}; leave out --{k}" if k else
                               f"analyze_every={args['analyze_every']} is more than the steps")
-        if "plot" in flags:
-            plot(flags["plot"])
-        elif "preset" in flags:
+        if "preset" in flags:
             run_preset(flags["preset"], args, **grid)
         elif flags.get("sweep"):
             sweep(Config(**args), **grid)

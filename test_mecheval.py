@@ -189,18 +189,6 @@ def test_atr_sibling_queries_against_independent_trees():
         small_atr(atr_query="sibling", corrupt="value")
 
 
-@pytest.mark.parametrize("query", ["parent", "inner"])
-def test_guesses_that_never_read_the_key(query):
-    """The last token of the sentence."""
-    task = m.make_task(small_atr(atr_query=query, n_train=400, n_eval=60))
-    ev = task.eval
-    got = m.guesses(task)
-    last = [ev.input_ids[n, ev.lengths[n] - 5] == ev.answers[n] for n in range(len(ev))]  # BOS sentence EOS q a EOS
-    assert got["last_token"] == pytest.approx(torch.stack(last).float().mean().item())
-    assert (got["last_token"] > 0.3) == (query == "parent")  # the root's head; never the answer of an inner query
-    assert got.keys() == {"last_token"}
-
-
 def test_atr_tree_statistics_easy():
     task = m.make_task(small_atr(n_train=3000, n_eval=10))
     dist = (task.train.pos["value"] - task.train.pos["key"]).float().mean().item()
@@ -259,12 +247,10 @@ def test_generalisation_split_trains_once_and_reports_dev_and_test(tmp_path, cap
         assert res[key]["grid"] == m.mechanism(model, task, "key", 0, split)["grid"]
     assert res["mechanism"]["grid"] != res["mechanism_test"]["grid"]
     row = summary["rows"][0]
-    assert row["test_acc"] == 100 * res["test_acc"] and row["paper_test_acc"] is None  # the paper has d=64 only
+    assert row["test_acc"] == 100 * res["test_acc"]
     assert row["test_attribution"]["value"] == next(g["attribution"] for g in res["mechanism_test"]["grid"]
                                                     if (g["site"], g["layer"], g["position"]) == ("block_input", 1, "value"))
     assert "generalisation split: dev -> test" in (tmp_path / "summary.md").read_text()
-    paper = m.Config(task="atr", atr_split="gen")
-    assert m.paper_acc(paper, test=True) == 60.0 and m.paper_acc(paper) == 95.0
     run = str(tmp_path / summary["rows"][0]["run"])
     assert m.main(["--load", run]) == 0
     assert f"test split (held-out pairs): acc {res['test_acc']:.4f}" in capsys.readouterr().out
@@ -427,7 +413,6 @@ def test_trained_attention_shows_induction(trained_small_ar):
     a = {(g["site"], g["layer"], g["position"]): g["attribution"] for g in mech["grid"]}
     assert mech["p_clean"] - mech["p_corrupt"] > 0.3
     assert mech["acc_corrupt"] < 0.5 < res["final_acc"], "a corrupted key costs the answer"
-    assert 0.1 < res["guesses"]["last_token"] < 0.4, "the last of 4 pairs is queried about a quarter of the time"
     _, model = m.load_run(os.path.join(cfg.out_dir, cfg.run_name))
     few = m.mechanism(model, m.make_task(cfg, train=False), seed=cfg.seed, cells=[("block_input", 1, "value")])
     assert few["verdict"] is None and few["grid"][0]["attribution"] == pytest.approx(a["block_input", 1, "value"])
@@ -525,6 +510,15 @@ def golden_forward(model, ids, splice=None):
     return model.ln_f(x) @ model.embed.weight.T, acts
 
 
+def interchange(model, corrupted_ids, clean_ids, site, layer, positions, sites=m.SITES):
+    """One interchange intervention by mecheval's two steps: read the clean activation, patch it into the corrupted
+    run; the logits (B, L, V). mechanism takes the same steps for a whole grid."""
+    read = {}
+    with m.hooks(model, {(site, layer): m.read_at({"x": positions}, read)}, sites):
+        model(clean_ids)
+    return m.logits_of(m.patch(model, corrupted_ids, site, layer, positions, read["x",], sites=sites))
+
+
 @pytest.mark.parametrize("arch", sorted(m.ARCHS))
 def test_interchange_matches_golden_forward(arch):
     cfg, model = tiny_model(arch)
@@ -535,7 +529,7 @@ def test_interchange_matches_golden_forward(arch):
         _, src_acts = golden_forward(model, source)
         for (site, layer), act in src_acts.items():
             want, _ = golden_forward(model, base, (site, layer, positions, act[torch.arange(4), positions]))
-            got = m.interchange(model, base, source, site, layer, positions)
+            got = interchange(model, base, source, site, layer, positions)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{arch} {site} layer {layer}")
         per_layer = len(m.SITES) - (2 if model.blocks[0].mlp is None else 0) - 1  # Mamba: no mlp_* sites
         convs = {"mamba": 2, "deltanet": 2, "hyena": 2, "based": 1, "base_conv": 1}.get(arch, 0)  # layers with one
@@ -550,12 +544,14 @@ def test_conv_output_exists_only_where_a_mixer_calls_a_short_conv():
             if layer in layers:
                 assert isinstance(m.site_module(model, "conv_output", layer), m.ShortConv)
             else:
-                with pytest.raises(ValueError, match=f"site 'conv_output' does not exist in layer {layer}: its"):
-                    m.site_module(model, "conv_output", layer)
+                assert m.site_module(model, "conv_output", layer) is None
+                with pytest.raises(ValueError, match=f"site 'conv_output' does not exist in layer {layer} of"):
+                    interchange(model, torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long),
+                                  "conv_output", layer, torch.tensor([2]))
     cfg = small_ar(arch="mamba", d_conv="0", d_model=16)
     model = m.build_model(cfg, 53)  # d_conv 0: the conv parameters exist but no convolution runs
-    with pytest.raises(ValueError, match="Mamba mixer has no short convolution"):
-        m.interchange(model, torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), "conv_output", 0,
+    with pytest.raises(ValueError, match="site 'conv_output' does not exist in layer 0 of this model"):
+        interchange(model, torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), "conv_output", 0,
                       torch.tensor([2]))
     assert no_hooks(model)
 
@@ -568,14 +564,14 @@ def test_interchange_identities(arch):
     with torch.no_grad():
         clean, src_logits = model(base), model(source)
         for site, layer in m.model_sites(model):
-            same = m.interchange(model, base, base, site, layer, torch.tensor([1, 4, 9]))
+            same = interchange(model, base, base, site, layer, torch.tensor([1, 4, 9]))
             torch.testing.assert_close(same, clean, rtol=1e-6, atol=1e-7)
-            later = m.interchange(model, base, source, site, layer, torch.tensor([8, 9, 10]))
+            later = interchange(model, base, source, site, layer, torch.tensor([8, 9, 10]))
             torch.testing.assert_close(later[:, :8], clean[:, :8], rtol=0, atol=0)
         for t in range(11):  # the last block's output at t decides the logits at t
-            out = m.interchange(model, base, source, "block_output", cfg.n_layers - 1, torch.full((3,), t))
+            out = interchange(model, base, source, "block_output", cfg.n_layers - 1, torch.full((3,), t))
             torch.testing.assert_close(out[:, t], src_logits[:, t], rtol=1e-5, atol=1e-6)
-        skip = m.interchange(model, base, source, "block_input", 0, torch.tensor([-1, -1, -1]))
+        skip = interchange(model, base, source, "block_input", 0, torch.tensor([-1, -1, -1]))
         torch.testing.assert_close(skip, clean, rtol=0, atol=0)
 
 
@@ -587,17 +583,17 @@ def test_hooks_are_removed_even_when_the_model_raises():
     cfg, model = tiny_model("attention")
     good, bad = torch.randint(3, 53, (2, 9)), torch.full((2, 9), 10_000)  # bad: out of the vocabulary
     pos = torch.tensor([3, 4])
-    m.interchange(model, good, good, "mixer_output", 1, pos)
+    interchange(model, good, good, "mixer_output", 1, pos)
     assert no_hooks(model)
     for base, source in ((good, bad), (bad, good)):
         with pytest.raises(IndexError):
-            m.interchange(model, base, source, "mlp_input", 0, pos)
+            interchange(model, base, source, "mlp_input", 0, pos)
         assert no_hooks(model)
     with pytest.raises(ValueError, match="unknown site"):
-        m.interchange(model, good, good, "attention_output", 0, pos)
+        interchange(model, good, good, "attention_output", 0, pos)
     model.blocks[0].mlp = None  # as in a Mamba block
-    with pytest.raises(ValueError, match="no MLP"):
-        m.site_module(model, "mlp_output", 0)
+    with pytest.raises(ValueError, match="site 'mlp_output' does not exist in layer 0 of this model"):
+        interchange(model, good, good, "mlp_output", 0, pos)
     assert no_hooks(model)
 
 
@@ -629,31 +625,209 @@ def test_mechanism_batched_equals_one_document_at_a_time(task_name):
                 continue
             one = slice(n, n + 1), slice(0, int(lengths[n]))
             with torch.no_grad():
-                logits = m.interchange(model, base[one], clean[one], cell["site"], cell["layer"], pos[n:n + 1])
+                logits = interchange(model, base[one], clean[one], cell["site"], cell["layer"], pos[n:n + 1])
             ps.append(logits[0, q[n]].softmax(-1)[ans[n]])
         assert cell["p_patched"] == pytest.approx(torch.stack(ps).mean().item(), rel=1e-5, abs=1e-7)
 
 
-def test_the_reuse_recipe_is_complete():
-    """The method section's comment names what to copy to reuse the method: exactly those definitions, in a
-    fresh namespace with torch only, give the same grid on a model with a short convolution."""
-    import inspect
-    recipe = re.search(r"To reuse the method, copy (.*?) \(for conv_output\)", open(m.__file__).read(), re.S).group(1)
-    names = re.findall(r"\w+", recipe.replace("#", " ").replace(" and ", " "))
-    assert {"mechanism", "verdict", "interchange", "patch", "hooks"} <= set(names)
-    ns = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "time": __import__("time"), "math": math,
-          "contextmanager": __import__("contextlib").contextmanager}
+class ForeignAttention(torch.nn.Module):
+    """Hugging Face's way: called with a mask, returns a tuple (output, weights)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.c_attn, self.c_proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x, mask=None):  # no mask: every position attends to every other, silently
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool) if mask is None else mask
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        w = (q @ k.transpose(1, 2) / math.sqrt(x.shape[-1])).masked_fill(~mask, float("-inf")).softmax(-1)
+        return self.c_proj(w @ v), w
+
+
+class ForeignBlock(torch.nn.Module):
+    """Called as block(x, mask, scale); without its mask (what a pre-hook that returns a bare tensor leaves) it
+    attends to every position, silently. Returns a tuple, as Hugging Face's blocks do."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = torch.nn.LayerNorm(d), ForeignAttention(d), torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x, mask=None, scale=1.0):
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool) if mask is None else mask
+        x = x + scale * self.attn(self.ln_1(x), mask)[0]
+        return x + self.mlp(self.ln_2(x)), mask
+
+
+class ForeignGPT(torch.nn.Module):
+    """A GPT of other names than mecheval's (nanoGPT's and GPT-2's), returning (logits, loss) as nanoGPT does."""
+
+    def __init__(self, vocab_size, d=16, n_layer=2):
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(dict(
+            wte=torch.nn.Embedding(vocab_size, d), wpe=torch.nn.Embedding(64, d),
+            h=torch.nn.ModuleList(ForeignBlock(d) for _ in range(n_layer)), ln_f=torch.nn.LayerNorm(d)))
+        self.lm_head = torch.nn.Linear(d, vocab_size, bias=False)
+
+    def forward(self, ids):
+        t, L = self.transformer, ids.shape[1]
+        x = t.wte(ids) + t.wpe(torch.arange(L))
+        for block in t.h:
+            x = block(x, torch.ones(L, L, dtype=torch.bool).tril(), 0.5)[0]
+        return self.lm_head(t.ln_f(x)), None
+
+
+def foreign_golden(model, ids, splice=None, acts=None):
+    """ForeignGPT's forward written out, no hooks: with splice = (site, layer, positions, values) that activation
+    replaced (position -1: none); every activation stored into acts."""
+    rows = torch.arange(len(ids))
+
+    def at(site, layer, x):
+        if splice is not None and splice[:2] == (site, layer):
+            x, has = x.clone(), splice[2] >= 0
+            x[rows[has], splice[2][has]] = splice[3][has]
+        if acts is not None:
+            acts[site, layer] = x
+        return x
+    t, L = model.transformer, ids.shape[1]
+    mask = torch.ones(L, L, dtype=torch.bool).tril()
+    x = t.wte(ids) + t.wpe(torch.arange(L))
+    for layer, b in enumerate(t.h):
+        x = at("block_input", layer, x)
+        x = x + 0.5 * at("mixer_output", layer, b.attn(at("mixer_input", layer, b.ln_1(x)), mask)[0])
+        x = x + at("mlp_output", layer, b.mlp(at("mlp_input", layer, b.ln_2(x))))
+        x = at("block_output", layer, x)
+    return model.lm_head(t.ln_f(x))
+
+
+def readme_text(title):
+    text = open(os.path.join(HERE, "README.md")).read()
+    return text[text.index(f"## {title}\n"):].split("\n## ")[0]
+
+
+def copied_interventions():
+    """A fresh namespace holding exactly what the README's "Your own model" says to copy: its imports, then the
+    source of each named definition from mecheval.py, in its order. Nothing else is injected."""
+    import ast
+    recipe = readme_text("Your own model").split("**Copy**")[1].split("\n- **")[0]
+    code = [c.strip("`") for c in re.findall(r"`[^`]+`", recipe) if c.startswith("`")]
+    imports, names = [c for c in code if c.startswith(("import ", "from "))], [c for c in code if c.isidentifier()]
+    src = open(m.__file__).read()
+    lines, defs = src.split("\n"), {}
+    for node in ast.parse(src).body:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        targets = [t for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in [node.name] if hasattr(node, "name") else [t.id for t in targets]:
+            defs[name] = "\n".join(lines[first - 1:node.end_lineno])
+    ns = {}
+    exec("\n".join(imports), ns)
     for name in names:
-        obj = getattr(m, name)
-        if inspect.isfunction(obj):
-            exec(inspect.getsource(obj), ns)
-        else:
-            ns[name] = obj  # a constant, or ShortConv (its class is the mixers', needed to find conv_output)
-    cfg, model = tiny_model("based")
-    task = m.make_task(cfg, train=False)
-    theirs, ours = ns["mechanism"](model, task, "key", seed=3), m.mechanism(model, task, "key", seed=3)
-    assert [g["p_patched"] for g in theirs["grid"]] == [g["p_patched"] for g in ours["grid"]]
-    assert any(g["site"] == "conv_output" for g in theirs["grid"]) and theirs["verdict"] == ours["verdict"]
+        exec(defs[name], ns)
+    sites = re.search(r"(GPT2_SITES = \{.*?\})\n", readme_text("Your own model"), re.S).group(1)
+    exec(sites, ns)
+    return ns, names, sum(defs[n].count("\n") + 1 for n in names)
+
+
+def test_the_readme_copy_list_runs_the_grid_on_a_foreign_model():
+    """The README's copy list, alone in a fresh namespace, on a GPT of other names whose blocks take extra
+    positional arguments and whose attention and blocks return tuples: every cell equals the hand-written splice."""
+    ns, names, n_lines = copied_interventions()
+    assert {"mechanism", "hooks", "verdict", "format_mechanism", "check_inputs"} <= set(names)
+    assert not {"ShortConv", "LanguageModel", "Block", "MAX_LEN"} & set(names)
+    assert n_lines == pytest.approx(int(re.search(r"about (\d+) lines", readme_text("Your own model"))[1]), abs=10)
+    task = m.make_task(small_ar(n_eval=12), train=False)
+    torch.manual_seed(0)
+    model = ForeignGPT(task.vocab_size).eval()
+    for p in model.parameters():  # larger weights than an init, so every site matters
+        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, -0.5, 0.5)
+    mech = ns["mechanism"](model, task, seed=4, sites=ns["GPT2_SITES"])
+    assert len(mech["grid"]) == 6 * 2 * 5 and mech["n_layers"] == 2
+    clean, pos = task.eval.input_ids, task.eval.pos
+    corrupted = m.corrupt_tokens(task, task.eval, "key", torch.Generator().manual_seed(4))
+    p = lambda logits: logits[torch.arange(len(clean)), pos["query"]].softmax(-1)[torch.arange(len(clean)),
+                                                                                  task.eval.answers]
+    acts = {}
+    with torch.no_grad():
+        p_clean, p_corrupt = p(foreign_golden(model, clean, acts=acts)), p(foreign_golden(model, corrupted))
+        assert mech["p_clean"] == pytest.approx(p_clean.mean().item(), rel=1e-5)
+        for cell in mech["grid"]:
+            at = pos[cell["position"]]
+            values = acts[cell["site"], cell["layer"]][torch.arange(len(clean)), at.clamp(min=0)]
+            patched = p(foreign_golden(model, corrupted, (cell["site"], cell["layer"], at, values)))
+            has = at >= 0
+            assert cell["p_patched"] == pytest.approx(patched[has].mean().item(), rel=1e-5, abs=1e-7), cell
+            assert cell["p_corrupt"] == pytest.approx(p_corrupt[has].mean().item(), rel=1e-5, abs=1e-7)
+    assert ns["format_mechanism"](mech).splitlines()[-1].startswith("verdict: ")
+
+
+def test_a_foreign_model_with_a_wrong_mapping_or_split_gets_one_sentence():
+    task = m.make_task(small_ar(n_eval=4), train=False)
+    model = ForeignGPT(task.vocab_size).eval()
+    sites = {"block_input": "transformer.h.{layer}", "mlp_input": "transformer.h.{layer}.mpl"}
+    with pytest.raises(ValueError, match=r"^site 'mlp_input' of layer 0: the model has no module 'transformer.h.0.mpl'$"):
+        m.mechanism(model, task, sites=sites)
+    with pytest.raises(ValueError, match="^site 'block_input' of layer 0: the model has no module 'h'$"):
+        m.mechanism(model, task, sites={"block_input": "h.{layer}"})
+    for block in model.transformer.h:
+        block.unused = torch.nn.Linear(2, 2)  # in the model, never called: its hooks would change nothing
+    with pytest.raises(ValueError, match="^site 'mlp_output' of layer 0: its module did not run in the forward$"):
+        m.mechanism(model, task, sites={"block_input": "transformer.h.{layer}", "mlp_output": "transformer.h.{layer}.unused"})
+    gpt2 = {"block_input": "transformer.h.{layer}"}
+    model.transformer.h[0].drop = torch.nn.Dropout(0.1)
+    with pytest.raises(ValueError, match=r"^the model is in training mode, with dropout: call model.eval\(\) first"):
+        m.mechanism(model.train(), task, sites=gpt2)
+    model.eval()
+
+    class LastOnly(torch.nn.Module):  # nanoGPT's GPT without targets: the last position's logits only
+        def __init__(self):
+            super().__init__()
+            self.gpt = model
+
+        def forward(self, ids):
+            return self.gpt(ids)[0][:, -1:]
+    with pytest.raises(ValueError, match=r"^the model gave logits of shape \(4, 1, \d+\) for ids of shape \(4, \d+\); "):
+        m.mechanism(LastOnly().eval(), task, sites={"block_input": "gpt.transformer.h.{layer}"})
+    split = m.Split(task.eval.input_ids, {k: v for k, v in task.eval.pos.items() if k != "next_key"}, task.eval.lengths)
+    with pytest.raises(ValueError, match=r"^mechanism needs split.pos\['next_key'\]; check_inputs says"):
+        m.mechanism(model, task, split=split, sites={"block_input": "transformer.h.{layer}"})
+    with pytest.raises(ValueError, match=r"^mechanism needs task.classes\['value'\]"):
+        m.mechanism(model, m.replace(task, classes={"key": task.classes["key"]}), corrupt="value",
+                    sites={"block_input": "transformer.h.{layer}"})
+    for cells in ([], [("block_input", 0, "answer_pos")], [("block_input", 5, "key")]):
+        with pytest.raises(ValueError, match="^cells must be a non-empty list of"):
+            m.mechanism(model, task, cells=cells, sites={"block_input": "transformer.h.{layer}"})
+
+
+def test_a_host_init_then_reset_parameters_builds_mamba_as_mecheval_does():
+    """A host model's usual init (nanoGPT's: N(0, 0.02) on every Linear, biases zeroed) overwrites Mamba's Δ; the
+    README's recipe, reset_parameters() after it, restores mecheval's own init."""
+    import types
+    cfg = types.SimpleNamespace(d_model=32, d_conv="auto", n_layers=3)  # what the README says a copy needs
+    ours = m.build_model(m.Config(arch="mamba", d_model=32, n_layers=3), 10).blocks[1].mixer
+    torch.manual_seed(1)
+    host = m.Mamba(cfg, 1)
+
+    def nanogpt_init(mod):
+        if isinstance(mod, torch.nn.Linear):
+            torch.nn.init.normal_(mod.weight, std=0.02)
+            if mod.bias is not None:
+                torch.nn.init.zeros_(mod.bias)
+    host.apply(nanogpt_init)
+    softplus = lambda mixer: torch.nn.functional.softplus(mixer.dt_proj.bias)  # Δ at a zero input
+    assert softplus(host).sub(math.log(2)).abs().max() < 1e-6, "the host's init leaves Δ = ln 2 everywhere"
+    host.reset_parameters()
+    for mixer in (ours, host):
+        assert 1e-3 * 0.999 <= softplus(mixer).min() and softplus(mixer).max() <= 0.1 * 1.001
+        assert softplus(mixer).log().std() > 0.9, "log-uniform over [1e-3, 1e-1]: std 1.33"
+        r = mixer.dt_proj.in_features
+        assert mixer.dt_proj.weight.abs().max() <= r ** -0.5 and mixer.dt_proj.weight.std() > 0.8 * r ** -0.5 / 3 ** 0.5
+        torch.testing.assert_close(mixer.A_log, torch.log(torch.arange(1., 17.)).repeat(64, 1))
+        assert (mixer.D == 1).all()
+        for lin, scale in ((mixer.in_proj, 1), (mixer.x_proj, 1), (mixer.out_proj, 3 ** -0.5)):
+            bound = scale / lin.in_features ** 0.5  # PyTorch's default: U(±1/√fan_in), out_proj / √n_layers
+            assert lin.weight.abs().max() <= bound and lin.weight.abs().max() > 0.95 * bound
+    for a, b in zip(ours.state_dict().values(), host.state_dict().values()):
+        assert a.shape == b.shape
 
 
 def test_corruption_draws_another_token_of_the_same_class():
@@ -751,7 +925,6 @@ def test_verdict_edge_cases(cells, p_corrupt, want):
     (["--atr_setting", "medium"], ["atr_setting=medium is an ATR option", "task=ar"]),
     (["--steps", "100", "--analyze_every", "500"], ["analyze_every=500", "100 steps", "never"]),
     (["--sweep", "--load", "x"], ["--sweep and --load do not go together"]),
-    (["--plot", "x", "--arch", "nope"], ["--plot takes a folder and nothing else, not --arch"]),
     (["--task", "atr", "--atr_split", "gen", "--atr_heldout", "0.0001"], ["atr_heldout=0.0001", "0 of the 400"]),
     (["--task", "atr", "--atr_split", "gen", "--atr_heldout", "0.9999"], ["atr_heldout=0.9999", "400 of the 400"]),
     (["--n_keys", "300000000"], ["n_keys=300000000", "at most 10,000,000"]),
@@ -1338,7 +1511,6 @@ def test_sweep_selects_the_best_rate_per_width_and_summarises(tmp_path):
         value = next(g["attribution"] for g in runs[best]["mechanism"]["grid"]
                      if (g["site"], g["layer"], g["position"]) == ("block_input", 1, "value"))
         assert row["attribution"]["value"] == value
-    assert summary["rows"][0]["paper_acc"] is None  # the paper has no d=8
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert "| 16 |" in (tmp_path / "summary.md").read_text()
 
@@ -1378,39 +1550,9 @@ def test_a_nan_run_in_a_sweep_is_a_finished_result(tmp_path, monkeypatch):
     assert calls == [], "a NaN run is not trained again"
 
 
-def test_plot_draws_a_sweep_folder(tmp_path, capsys, monkeypatch):
-    argv = SMALL + ["--sweep", "--widths", "8,16", "--lrs", "3e-3", "--out_dir", str(tmp_path)]
-    assert m.main(argv) == 0
-    assert m.main(["--plot", str(tmp_path / "nothing")]) == 2
-    assert "no summary.json" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert m.main(["--plot", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "pip install matplotlib" in err and err.count("\n") == 1 and not (tmp_path / "accuracy_by_width.png").exists()
-    monkeypatch.undo()
-    pytest.importorskip("matplotlib", reason="matplotlib is optional; the plot itself is checked where it is installed")
-    assert m.main(["--plot", str(tmp_path)]) == 0
-    png = (tmp_path / "accuracy_by_width.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert m.main(["--plot", str(tmp_path)]) == 0  # its own figure is drawn again
-    (tmp_path / "accuracy_by_width.png").write_bytes(png.replace(b"mecheval", b"someone"))  # another tool's
-    assert m.main(["--plot", str(tmp_path)]) == 2 and "is not a figure this tool drew" in capsys.readouterr().err
-    assert (tmp_path / "accuracy_by_width.png").read_bytes() == png.replace(b"mecheval", b"someone")
-
-
-def test_plot_takes_a_sweep_folder_not_a_run_folder(tmp_path, capsys):
-    assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "watched", "--analyze_every", "10"]) == 0
-    assert m.main(["--plot", str(tmp_path / "watched")]) == 2  # the history in results.json holds each check
-    assert "no summary.json in" in capsys.readouterr().err and not list((tmp_path / "watched").glob("*.png"))
-
-
 def test_sweep_cli_and_paper_grids(tmp_path, capsys):
     assert m.paper_lrs("ar", "attention") == (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
     assert m.paper_lrs("ar", "mamba")[-2:] == (1e-2, 3e-2) and len(m.paper_lrs("atr", "mamba")) == 5
-    assert m.paper_acc(m.Config(arch="based")) == 99.06 and m.paper_acc(m.Config(task="atr", arch="mamba", d_model=16)) == 91.3
-    for other in (dict(arch="mamba", d_conv="1"), dict(n_layers=3), dict(d_model=48), dict(n_pairs=8),
-                  dict(task="atr", atr_split="gen", d_model=32), dict(task="atr", atr_setting="medium"), dict(arch="deltanet")):
-        assert m.paper_acc(m.Config(**other)) is None  # the paper has no number for these
     assert m.main(["--lrs", "1e-3"]) == 2 and "add --sweep" in capsys.readouterr().err
     argv = SMALL + ["--sweep", "--widths", "8", "--lrs", "1e-3,3e-3", "--out_dir", str(tmp_path)]
     assert m.main(argv) == 0

@@ -636,7 +636,7 @@ def train(cfg, log=print):
                 break
     results = run.end()  # the final evaluation and the weights, saved
     analyze(model, task, cfg, results, log, intervene=cfg.analyze)  # how it recalls: grid, verdict (below)
-    return run.save(None)  # results.json; analyze added to run.results
+    return run.save(results["ended"])  # finished only now, with the grid
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -651,7 +651,7 @@ def train(cfg, log=print):
 
 SITES = {"block_input": "blocks.{layer}",        # the residual stream into Block
          "mixer_input": "blocks.{layer}.mixer",
-         "conv_output": "blocks.{layer}.conv",   # the mixer's short convolution, where it has one (Block.conv)
+         "conv_output": "blocks.{layer}.conv",   # the mixer's ShortConv, if any (Block.conv)
          "mixer_output": "blocks.{layer}.mixer",
          "mlp_input": "blocks.{layer}.mlp",      # none in Mamba's blocks
          "mlp_output": "blocks.{layer}.mlp",
@@ -667,9 +667,7 @@ def site_module(model, site, layer, sites=SITES):
     module, path = model, sites[site].format(layer=layer)
     for name in path.split("."):
         module = getattr(module, name, "missing")  # a ModuleList's item too: getattr(blocks, "0")
-        if module is None:
-            return None
-        if not isinstance(module, torch.nn.Module):
+        if not isinstance(module, (torch.nn.Module, type(None))):
             raise ValueError(f"site '{site}' of layer {layer}: the model has no module '{path}'")
     return module
 
@@ -687,7 +685,7 @@ def model_sites(model, sites=SITES):
 def hooks(model, edits, sites=SITES):
     """Run the model with edits = {(site, layer): fn}: fn(x) gets the activation x (B, L, channels), the module's first
     positional input or its output (a tuple's first element), and returns its replacement, or None. Every other
-    argument and element passes through as it was. A site that does not run is one ValueError sentence; the hooks
+    argument and element passes through. A site that does not run is one ValueError sentence; the hooks
     go on exit, even on error."""
     handles, ran = [], set()
 
@@ -746,8 +744,7 @@ def patch(model, ids, site, layer, positions, values, forward=None, sites=SITES)
 
 
 def logits_of(out):
-    """The logits (B, L, V) in a model's output: the output itself, its first element (nanoGPT's GPT), or its
-    "logits" (a dict; Hugging Face's outputs are dicts)."""
+    """The logits (B, L, V) in a model's output: itself, its first element (nanoGPT) or "logits" (Hugging Face)."""
     return out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out
 
 
@@ -758,7 +755,7 @@ def query_logits(model, ids, query):
     logits = logits_of(model(ids))
     if logits.shape[:2] != ids.shape:
         raise ValueError(f"the model gave logits of shape {tuple(logits.shape)} for ids of shape {tuple(ids.shape)}; "
-                         f"mechanism reads (B, L, V), every position's")
+                         f"mechanism needs (B, L, V)")
     return logits[torch.arange(len(ids), device=ids.device), query]
 
 
@@ -773,9 +770,9 @@ def corrupt_tokens(task, split, which, gen):
 
 
 def check_inputs(model, task, split, corrupt):
-    """What mechanism reads, else one ValueError sentence naming what is missing: split.input_ids (M, L), ids the
-    model can read; split.lengths and split.answers (M,); split.pos[name] (M,) for each of POSITIONS, -1 where a
-    document lacks it; task.classes[corrupt] = (lo, hi), the ids [lo, hi) a corrupted token is drawn from."""
+    """What mechanism reads (a ValueError names what is missing): split.input_ids (M, L), ids the model can read;
+    split.lengths and split.answers (M,); split.pos[name] (M,) for each of POSITIONS, -1 where a document lacks
+    it; task.classes[corrupt] = (lo, hi), the ids [lo, hi) a corrupted token is drawn from."""
     need = [f"split.{a}" for a in ("input_ids", "lengths", "answers", "pos") if not hasattr(split, a)]
     need += [f"split.pos['{k}']" for k in POSITIONS if k not in getattr(split, "pos", POSITIONS)]
     need += [] if corrupt in getattr(task, "classes", {}) else [f"task.classes['{corrupt}']"]
@@ -785,7 +782,7 @@ def check_inputs(model, task, split, corrupt):
         raise ValueError(f"corrupt='{corrupt}' needs a {corrupt} in every document; "
                          f"{int((split.pos[corrupt] < 0).sum())} of {len(split.input_ids)} have none")
     if model.training and any(isinstance(mod, nn.Dropout) and mod.p > 0 for mod in model.modules()):
-        raise ValueError("the model is in training mode, with dropout: call model.eval() first, or the grid is random")
+        raise ValueError("the model is in training mode and has dropout: call model.eval() first")
     readable(model, split)
 
 
@@ -819,6 +816,8 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None, sites=
     acts = {}  # (site, layer, position) -> (M, d or conv channels): the clean activations patched in
     with hooks(model, {(site, layer): read_at(pos, acts, (site, layer)) for site, layer, _ in cells}, sites):
         p_clean = p_answer(clean)
+    if not torch.isfinite(p_clean).all():
+        raise ValueError("p(answer) is not finite on this split: the model holds NaN or inf")
     logits = query_logits(model, corrupted, query)  # the corrupted run: its p(answer) and its accuracy
     p_corrupt, acc_corrupt = logits.softmax(-1)[rows, answer], (logits.argmax(-1) == answer).float().mean().item()
     means = []  # per cell: mean p_clean, p_corrupt, p_patched over the documents that have the position
@@ -1024,21 +1023,21 @@ class Mamba(nn.Module):
     def init_ssm(self):
         """A = -[1..N] in every channel, D = 1; Δ's projection: weight U(±r^-1/2), bias = softplus⁻¹(dt), dt
         log-uniform in [1e-3, 1e-1], >= 1e-4 (mamba_simple.py, Mamba.__init__)."""
-        self.A_log.copy_(torch.log(torch.arange(1, self.A_log.shape[1] + 1).float()))  # broadcast over channels
+        self.A_log.copy_(torch.log(torch.arange(1, self.A_log.shape[1] + 1).float()))
         self.D.fill_(1.0)
         nn.init.uniform_(self.dt_proj.weight, -self.dt_proj.in_features ** -0.5, self.dt_proj.in_features ** -0.5)
         dt = torch.exp(torch.rand(len(self.D)) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
         self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     @torch.no_grad()
-    def init_out_proj(self):  # PyTorch's default, U(±1/√fan_in), divided by √n_layers (mamba_ssm's rescale)
+    def init_out_proj(self):  # PyTorch's default U(±1/√fan_in), / √n_layers (mamba_ssm's)
         self.out_proj.reset_parameters()
         self.out_proj.weight /= math.sqrt(self.n_layers)
 
     def reset_parameters(self):
         """This mixer's whole init as mecheval builds it, for a host model: call it after the host's own init (say
-        nanoGPT's N(0, 0.02) on every Linear, biases zeroed), which would leave Δ near ln 2 and the model at
-        chance. Linear and conv weights take PyTorch's default."""
+        nanoGPT's N(0, 0.02) on every Linear, biases zeroed: Δ = ln 2 everywhere). Linear and conv weights: PyTorch's
+        default."""
         for layer in (self.in_proj, self.conv1d, self.x_proj):
             layer.reset_parameters()
         self.init_out_proj()
@@ -1357,6 +1356,8 @@ class Run:
             same_settings(load_file(self.path("config.json"), ("task", "arch")), cfg, self.dir)
         self.results = load_file(self.path("results.json")) if os.path.exists(self.path("results.json")) else {}
         self.finished = (status := self.results.get("status")) in ("completed", "target reached")
+        if status == "trained" and not os.path.exists(self.path("model.pt")):
+            raise ConfigError(f"{self.dir} is trained but has no model.pt; move the folder away to train again")
         if status == "nonfinite":
             raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results.get('steps_done')} "
                                 f"(lr={cfg.lr:g}); train another --lr, or move the folder away to start over")
@@ -1366,7 +1367,7 @@ class Run:
         elif os.path.exists(self.path("model.pt")):
             self.ckpt = load_file(self.path("model.pt"), ("config", "vocab_size", "model"))
             same_settings(self.ckpt["config"], cfg, self.path("model.pt"))
-            if "optimizer" not in self.ckpt:
+            if "optimizer" not in self.ckpt and status != "trained":
                 raise ConfigError(f"{self.path('model.pt')} holds final weights but results.json does not say the run "
                                   f"finished; move the folder away to train again")
 
@@ -1374,8 +1375,9 @@ class Run:
         return os.path.join(self.dir, name)
 
     def begin(self, task, model, optimizer, scheduler, batches):
-        """Before the loop: the folder, config.json, the checkpoint restored if any; the first step."""
+        """Before the loop: the folder, config.json, the checkpoint (or a trained run's weights); the first step."""
         cfg, n_params, device = self.cfg, sum(p.numel() for p in model.parameters()), next(model.parameters()).device
+        trained, saved = self.ckpt is not None and "optimizer" not in self.ckpt, self.results
         self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
                  f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
         self.log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
@@ -1389,12 +1391,13 @@ class Run:
         self.results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
                         "history": [], "train_seconds": 0.0}
         if self.ckpt is not None:
-            for name, obj in self.state.items():
+            for name, obj in self.state.items() if not trained else [("model", model)]:
                 obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
-            self.log(f"resuming {self.dir} from its checkpoint at step {self.ckpt['step']:,} of {cfg.steps:,}")
-            self.results = self.ckpt["results"]
+            self.log(f"resuming {self.dir} from its {'final weights' if trained else 'checkpoint'} at step "
+                     f"{self.ckpt['step']:,} of {cfg.steps:,}")
+            self.results = saved if trained else self.ckpt["results"]
         h, self.t_last = self.results["history"], time.time()
-        return cfg.steps + 1 if h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"] + 1
+        return cfg.steps + 1 if trained or h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"] + 1
 
     def evaluated(self, step, loss_sum, ev):
         """At each evaluation: the mean loss since the last (not finite: NonFiniteLoss), the history
@@ -1403,12 +1406,11 @@ class Run:
         n = step - r["steps_done"]  # steps since the last evaluation
         dt, loss = time.time() - self.t_last, (loss_sum / n).item()
         r["train_seconds"] += dt
-        if not math.isfinite(loss):
+        if not (math.isfinite(loss) and math.isfinite(ev["p_answer"])):
             self.save("nonfinite")
-            ckpt = self.path("model.pt")
-            kept = os.path.exists(ckpt) and f"{ckpt} keeps the last good checkpoint"
-            raise NonFiniteLoss(f"the training loss became {loss} between steps {step - n + 1} and {step} "
-                                f"(lr={cfg.lr:g}); {kept or 'no checkpoint was written before it'}")
+            kept = r["steps_done"] and f"{self.path('model.pt')} keeps the checkpoint of step {r['steps_done']}"
+            raise NonFiniteLoss(f"the training loss became {loss}, p(answer) {ev['p_answer']}, between steps "
+                                f"{step - n + 1} and {step} (lr={cfg.lr:g}); {kept or 'no checkpoint was kept'}")
         r["history"].append(h := {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer":
                                   round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
         if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
@@ -1422,12 +1424,12 @@ class Run:
         self.ev, self.t_last = ev, time.time()
 
     def end(self):
-        """After the loop: the final evaluation and the weights (train then adds the grid)."""
+        """After the loop: the final evaluation and the weights. The run is "trained" until train adds the grid."""
         cfg, r, model, task = self.cfg, self.results, self.model, self.task
         ev = self.ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
-        self.save("target reached" if 0 < cfg.target_acc <= ev["acc"] else "completed", step=r["steps_done"],
-                  model=model.state_dict())
-        self.log(f"done ({r['status']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
+        r["ended"] = "target reached" if 0 < cfg.target_acc <= ev["acc"] else "completed"
+        self.save("trained", step=r["steps_done"], model=model.state_dict())
+        self.log(f"done ({r['ended']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
                  f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
         return r
 

@@ -774,7 +774,7 @@ def test_a_foreign_model_with_a_wrong_mapping_or_split_gets_one_sentence():
         m.mechanism(model, task, sites={"block_input": "transformer.h.{layer}", "mlp_output": "transformer.h.{layer}.unused"})
     gpt2 = {"block_input": "transformer.h.{layer}"}
     model.transformer.h[0].drop = torch.nn.Dropout(0.1)
-    with pytest.raises(ValueError, match=r"^the model is in training mode, with dropout: call model.eval\(\) first"):
+    with pytest.raises(ValueError, match=r"^the model is in training mode and has dropout: call model.eval\(\) first$"):
         m.mechanism(model.train(), task, sites=gpt2)
     model.eval()
 
@@ -1191,7 +1191,7 @@ def test_nan_after_a_checkpoint_stops_and_keeps_that_checkpoint(tmp_path, capsys
     fail_from_call(monkeypatch, 15, "nan")
     assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "nan"]) == 1  # evaluations at 10, 20, 30
     err = capsys.readouterr().err.strip()
-    assert "between steps 11 and 20" in err and "the last good checkpoint" in err and "\n" not in err
+    assert "between steps 11 and 20" in err and "model.pt keeps the checkpoint of step 10" in err and "\n" not in err
     monkeypatch.undo()
     res = json.loads((tmp_path / "nan" / "results.json").read_text())
     assert res["status"] == "nonfinite" and res["steps_done"] == 10 and [h["step"] for h in res["history"]] == [10]
@@ -1212,6 +1212,67 @@ def test_ctrl_c_exits_130_and_the_same_command_continues(tmp_path, capsys, monke
     assert m.main(argv) == 0
     assert f"resuming {tmp_path / 'cut'} from its checkpoint at step 10 of 30" in capsys.readouterr().out
     assert json.loads((tmp_path / "cut" / "results.json").read_text())["steps_done"] == 30
+
+
+ATR_TINY = ["--task", "atr", "--n_train", "300", "--n_eval", "50", "--d_model", "16", "--steps", "30", "--eval_every", "10"]
+
+
+@pytest.mark.parametrize("argv", [TINY, ATR_TINY + ["--atr_split", "gen"]], ids=["ar", "gen"])
+def test_an_interrupt_inside_the_final_grid_leaves_a_run_the_same_command_finishes(argv, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Cut inside the final grid, after the done line, the run is "trained", not finished: the same command adds
+    the grid (and the test split's numbers), trains nothing again, and equals a run that was never cut."""
+    argv = argv + ["--out_dir", str(tmp_path), "--analyze_every", "20"]
+    assert m.main(argv + ["--run_name", "whole"]) == 0
+    real = m.mechanism
+
+    def cut_in_the_grid(*args, **kw):  # the checks while training run; the final grid is cut
+        if kw.get("cells") is None and len(args) < 6:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+    monkeypatch.setattr(m, "mechanism", cut_in_the_grid)
+    assert m.main(argv + ["--run_name", "cut"]) == 130
+    assert "done (" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert saved["status"] == "trained" and "mechanism" not in saved and "test_acc" not in saved
+    monkeypatch.undo()
+    assert m.main(argv + ["--run_name", "cut"]) == 0
+    out = capsys.readouterr().out
+    assert "from its final weights at step 30 of 30" in out and "\nstep " not in out, "nothing is trained again"
+    a, b = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("whole", "cut"))
+    assert b["status"] == a["status"] == "completed" and a.keys() == b.keys()
+    for k in set(a) - {"train_seconds", "ms_per_step", "config"}:
+        grid = lambda r: {**r[k], "seconds": 0} if k.startswith("mechanism") else r[k]
+        assert grid(a) == grid(b), k
+    assert m.main(argv + ["--run_name", "cut"]) == 0 and "finished (completed)" in capsys.readouterr().out
+    (tmp_path / "cut" / "model.pt").unlink()  # a trained run without its weights is refused, and kept
+    (tmp_path / "cut" / "results.json").write_text(json.dumps({**b, "status": "trained"}))
+    assert m.main(argv + ["--run_name", "cut"]) == 2
+    assert "is trained but has no model.pt" in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_kept_only_where_the_evaluation_is_finite(tmp_path, capsys, monkeypatch):
+    """The loss of step 15 is finite, but its update leaves NaN weights: the evaluation at 20 is NaN, so the run
+    stops there and keeps the checkpoint of step 10; a grid of NaN weights is refused."""
+    real = m.train_step
+    calls = []
+
+    def step(model, *args, **kw):
+        calls.append(1)
+        loss = real(model, *args, **kw)
+        if len(calls) == 15:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+        return loss
+    monkeypatch.setattr(m, "train_step", step)
+    assert m.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "nan"]) == 1
+    err = capsys.readouterr().err
+    assert "p(answer) nan, between steps 11 and 20" in err and "keeps the checkpoint of step 10" in err
+    assert torch.load(tmp_path / "nan" / "model.pt", weights_only=True)["step"] == 10
+    cfg, model = m.load_run(str(tmp_path / "nan"))
+    next(model.parameters()).data.fill_(float("nan"))
+    with pytest.raises(ValueError, match="^p\\(answer\\) is not finite on this split: the model holds NaN or inf$"):
+        m.mechanism(model, m.make_task(cfg, train=False))
 
 
 @pytest.mark.parametrize("arch, order", [("mamba", "shuffle"), ("attention", "fixed")])
@@ -1910,7 +1971,7 @@ def test_files_of_another_tool_or_sweep_are_refused_and_kept(tmp_path, capsys):
 def test_messages_name_only_files_that_exist(tmp_path, capsys, monkeypatch):
     assert m.main(TINY + ["--lr", "1e30", "--out_dir", str(tmp_path), "--run_name", "nan"]) == 1
     err = capsys.readouterr().err
-    assert "no checkpoint was written before it" in err and not (tmp_path / "nan" / "model.pt").exists()
+    assert "no checkpoint was kept" in err and not (tmp_path / "nan" / "model.pt").exists()
     monkeypatch.setattr(m, "make_task", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     assert m.main(TINY + ["--out_dir", str(tmp_path / "i")]) == 130
     err = capsys.readouterr().err
@@ -1928,7 +1989,12 @@ def test_messages_name_only_files_that_exist(tmp_path, capsys, monkeypatch):
     monkeypatch.undo()
     ckpt = torch.load(tmp_path / "disk" / "model.pt", weights_only=True)
     assert ckpt["step"] == 30 and "optimizer" in ckpt  # the checkpoint of the last step, the same weights
-    assert m.main(argv) == 0 and "finished (completed) at step 30" in capsys.readouterr().out
+    assert json.loads((tmp_path / "disk" / "results.json").read_text())["status"] == "trained"  # not finished
+    capsys.readouterr()
+    assert m.main(argv) == 0  # the same command writes the weights, training nothing again
+    out = capsys.readouterr().out
+    assert "from its checkpoint at step 30 of 30" in out and "done (completed)" in out and "\nstep " not in out
+    assert "optimizer" not in torch.load(tmp_path / "disk" / "model.pt", weights_only=True)
     cfg, model = m.load_run(str(tmp_path / "disk"))
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
 

@@ -437,7 +437,7 @@ class Block(nn.Module):
         self.norm2, self.mlp = (nn.LayerNorm(d), MLP(d)) if getattr(mixer_cls, "mlp", True) else (None, None)
 
     @property
-    def conv(self):  # the site conv_output: the mixer's first ShortConv, None if it calls none
+    def conv(self):  # the site conv_output: the mixer's ShortConv, if any
         return next((mod for mod in self.mixer.modules() if isinstance(mod, ShortConv)), None)
 
     def forward(self, r):                # (B, L, d) -> (B, L, d)
@@ -636,7 +636,7 @@ def train(cfg, log=print):
                 break
     results = run.end()  # the final evaluation and the weights, saved
     analyze(model, task, cfg, results, log, intervene=cfg.analyze)  # how it recalls: grid, verdict (below)
-    return run.save(results["ended"])  # finished only now, with the grid
+    return run.save(results["ended"])  # finished: with the grid
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -646,8 +646,8 @@ def train(cfg, log=print):
 #     attribution = (mean p_patched - mean p_corrupt) / (mean p_clean - mean p_corrupt),
 # each mean over the documents that have the position (next_key: not where the last pair is queried). A site is the
 # first positional input (_input) or the output (_output) of one module, found by its path with {layer} in it, as
-# pyvene's type_to_module_mapping. SITES maps mecheval's models; any other model brings its own mapping (the
-# README's "Your own model"): nothing from here to verdict_text names a module of mecheval's.
+# pyvene's type_to_module_mapping. SITES maps mecheval's models; any other model brings its own mapping (README:
+# "Your own model"): nothing from here to verdict_text names a module of mecheval's.
 
 SITES = {"block_input": "blocks.{layer}",        # the residual stream into Block
          "mixer_input": "blocks.{layer}.mixer",
@@ -661,7 +661,7 @@ POSITIONS = ("key", "value", "next_key", "divider", "query")
 
 def site_module(model, site, layer, sites=SITES):
     """The module whose input or output is `site` in `layer`; None where the model holds None there (Mamba's mlp,
-    Block.conv of a mixer without a short convolution). A path the model lacks is one ValueError sentence."""
+    Block.conv without a ShortConv). A path the model lacks is one ValueError sentence."""
     if site not in sites:
         raise ValueError(f"unknown site '{site}'; allowed: {', '.join(sites)}")
     module, path = model, sites[site].format(layer=layer)
@@ -685,7 +685,7 @@ def model_sites(model, sites=SITES):
 def hooks(model, edits, sites=SITES):
     """Run the model with edits = {(site, layer): fn}: fn(x) gets the activation x (B, L, channels), the module's first
     positional input or its output (a tuple's first element), and returns its replacement, or None. Every other
-    argument and element passes through. A site that does not run is one ValueError sentence; the hooks
+    argument and element passes through. A site that does not run raises ValueError; the hooks
     go on exit, even on error."""
     handles, ran = [], set()
 
@@ -693,7 +693,7 @@ def hooks(model, edits, sites=SITES):
         first = x[0] if isinstance(x, tuple) and x else x
         if not torch.is_tensor(first):
             raise ValueError(f"site '{key[0]}' of layer {key[1]}: its module's {what} is not a tensor (B, L, channels)"
-                             + "; it was called with keyword arguments only" * (isinstance(x, tuple) and not x))
+                             + "; called by keywords only" * (isinstance(x, tuple) and not x))
         ran.add(key)
         new = fn(first)
         return None if new is None else (new, *x[1:]) if isinstance(x, tuple) else new
@@ -777,7 +777,7 @@ def check_inputs(model, task, split, corrupt):
     need += [f"split.pos['{k}']" for k in POSITIONS if k not in getattr(split, "pos", POSITIONS)]
     need += [] if corrupt in getattr(task, "classes", {}) else [f"task.classes['{corrupt}']"]
     if need:
-        raise ValueError(f"mechanism needs {need[0]}; check_inputs says what a split and a task hold")
+        raise ValueError(f"mechanism needs {need[0]} (see check_inputs)")
     if (split.pos[corrupt] < 0).any():
         raise ValueError(f"corrupt='{corrupt}' needs a {corrupt} in every document; "
                          f"{int((split.pos[corrupt] < 0).sum())} of {len(split.input_ids)} have none")
@@ -1045,12 +1045,10 @@ class Mamba(nn.Module):
 
     @staticmethod
     def init_weights(model, n_layers):
-        """mamba_ssm's _init_weights for a model of Mambas: embeddings N(0, 0.02), out_proj redrawn (init_out_proj);
-        Linear weights keep PyTorch's default, and dt_proj's bias, the only one, its own."""
+        """mamba_ssm's _init_weights: embeddings N(0, 0.02), out_proj redrawn (init_out_proj); the rest as built."""
         for m in model.modules():
             if isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
-        for m in model.modules():
             if isinstance(m, Mamba):
                 m.init_out_proj()
 
@@ -1357,7 +1355,7 @@ class Run:
         self.results = load_file(self.path("results.json")) if os.path.exists(self.path("results.json")) else {}
         self.finished = (status := self.results.get("status")) in ("completed", "target reached")
         if status == "trained" and not os.path.exists(self.path("model.pt")):
-            raise ConfigError(f"{self.dir} is trained but has no model.pt; move the folder away to train again")
+            raise ConfigError(f"{self.dir} is trained but has no model.pt; move the folder away")
         if status == "nonfinite":
             raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results.get('steps_done')} "
                                 f"(lr={cfg.lr:g}); train another --lr, or move the folder away to start over")
@@ -1705,6 +1703,8 @@ def evaluate_run(run_dir, args, log=print):
     log(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
     path = os.path.join(run_dir, "results.json")
     results = load_file(path) if os.path.exists(path) else {}  # a bad file stops before the analysis
+    if args.get("analyze", False) and results.get("status", "completed") not in ("completed", "target reached"):
+        raise ConfigError(f"{run_dir} is unfinished ({results['status']}): its training command finishes it")
     found = analyze(model, task, cfg, {}, log, intervene=args.get("analyze", False))
     if args.get("analyze", False):  # another setting's grid: beside the training's
         if any(results.get("config", {}).get(k, getattr(cfg, k)) != getattr(cfg, k) for k in ("corrupt", "n_eval")):

@@ -788,7 +788,7 @@ def test_a_foreign_model_with_a_wrong_mapping_or_split_gets_one_sentence():
     with pytest.raises(ValueError, match=r"^the model gave logits of shape \(4, 1, \d+\) for ids of shape \(4, \d+\); "):
         m.mechanism(LastOnly().eval(), task, sites={"block_input": "gpt.transformer.h.{layer}"})
     split = m.Split(task.eval.input_ids, {k: v for k, v in task.eval.pos.items() if k != "next_key"}, task.eval.lengths)
-    with pytest.raises(ValueError, match=r"^mechanism needs split.pos\['next_key'\]; check_inputs says"):
+    with pytest.raises(ValueError, match=r"^mechanism needs split.pos\['next_key'\] \(see check_inputs\)$"):
         m.mechanism(model, task, split=split, sites={"block_input": "transformer.h.{layer}"})
     with pytest.raises(ValueError, match=r"^mechanism needs task.classes\['value'\]"):
         m.mechanism(model, m.replace(task, classes={"key": task.classes["key"]}), corrupt="value",
@@ -1209,6 +1209,10 @@ def test_ctrl_c_exits_130_and_the_same_command_continues(tmp_path, capsys, monke
     assert err.startswith("interrupted; saved files are kept; the same command resumes") and err.count("\n") == 1
     assert torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["step"] == 10
     monkeypatch.undo()
+    before = (tmp_path / "cut" / "results.json").read_bytes()  # a grid of the checkpoint would be lost on resume
+    assert m.main(["--load", str(tmp_path / "cut"), "--analyze"]) == 2
+    assert "is unfinished (running): its training command finishes it" in capsys.readouterr().err
+    assert (tmp_path / "cut" / "results.json").read_bytes() == before
     assert m.main(argv) == 0
     assert f"resuming {tmp_path / 'cut'} from its checkpoint at step 10 of 30" in capsys.readouterr().out
     assert json.loads((tmp_path / "cut" / "results.json").read_text())["steps_done"] == 30

@@ -64,18 +64,15 @@ def setting(default, help):
 
 @dataclass
 class Config:
-    # the task: AR, or ATR (its grammar and split)
+    # the task
     task: str = setting("ar", "task: ar (associative recall) or atr (associative treecall)")
     n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
     n_keys: int = setting(4096, "AR: number of key tokens")
     n_values: int = setting(4096, "AR: number of value tokens")
     atr_setting: str = setting("easy", "ATR grammar (longest rule body, terminals): easy, medium or 8192")
-    atr_split: str = setting("iid", "ATR: iid, or gen, the generalisation split: held-out (parent, child) pairs "
-                                    "are not trained, and are tested apart (dev: allowed pairs, test: held-out)")
+    atr_split: str = setting("iid", "ATR: iid, or gen: (parent, child) pairs held out of training, tested apart")
     atr_heldout: float = setting(0.2, "ATR generalisation split: fraction of (parent, child) pairs held out")
-    atr_query: str = setting("parent", "ATR: what a query asks of the child: parent (the paper's main task), inner "
-                                       "(a parent that is not the root, so never the sentence's last token), or "
-                                       "sibling (its rightmost sibling, the child itself if none; App. D.4)")
+    atr_query: str = setting("parent", "ATR: the child's parent, inner (a parent not the root) or sibling (App. D.4)")
     n_train: int = setting(100_032, "training documents (iterated in epochs)")
     n_eval: int = setting(320, "evaluation documents")
     # the model
@@ -83,9 +80,8 @@ class Config:
     d_model: int = setting(64, "model width d")
     n_layers: int = setting(2, "number of residual blocks")
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
-    d_conv: str = setting("auto", "short-conv width: mamba and deltanet 0 (none) or more, based (even layers) and "
-                                  "base_conv 1 or more, or long; auto = the architecture's own (the paper's: 1-4)")
-    # training, as the paper: AdamW (0.9, 0.999), weight decay 0, warm-up then cosine to 0, fp32
+    d_conv: str = setting("auto", "short-conv width (mamba, deltanet: 0 = none; based: or long); auto: the paper's")
+    # training, as the paper (AdamW, warm-up then cosine)
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
     beta2: float = setting(0.999, "AdamW's beta2: the paper's 0.999, or e.g. 0.95, common for language models")
     steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
@@ -95,9 +91,9 @@ class Config:
     batch_order: str = setting("shuffle", "shuffle: a new order each epoch; fixed: the authors' one, every epoch")
     eval_every: int = setting(250, "steps between evaluations, progress lines and checkpoints")
     target_acc: float = setting(0.99, "stop once eval accuracy reaches this; 0 trains the whole schedule")
-    # the mechanism analysis: after training, and while it trains
+    # the mechanism analysis
     analyze: bool = setting(True, "run the interchange-intervention grid after training, or with --load")
-    analyze_every: int = setting(2000, "steps between checks of the mechanism while training (watch); 0 = none")
+    analyze_every: int = setting(2000, "steps between checks of the mechanism in training (watch); 0 = none")
     corrupt: str = setting("key", "context token the analysis corrupts: key (the paper's) or value")
     # where it runs and where results go
     device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
@@ -138,12 +134,14 @@ class Split:
     input_ids: torch.Tensor  # (M, L) token ids, PAD-padded on the right
     pos: dict                # name -> (M,) positions: key, value, next_key, divider, query, answer
     lengths: torch.Tensor    # (M,) document lengths before padding
+    vocab_size: int = 0      # its task's number of tokens (0: not known)
 
     def __len__(self):
         return len(self.input_ids)
 
     def __getitem__(self, rows):  # split[:n], its first n documents
-        return Split(self.input_ids[rows], {k: p[rows] for k, p in self.pos.items()}, self.lengths[rows])
+        return Split(self.input_ids[rows], {k: p[rows] for k, p in self.pos.items()}, self.lengths[rows],
+                     self.vocab_size)
 
     @property
     def answers(self):
@@ -156,15 +154,15 @@ class Task:
     vocab_size: int
     train: Split
     eval: Split
-    token_names: list        # id -> readable token
     classes: dict            # "key" / "value" -> (lo, hi): the ids [lo, hi) of the tokens that can stand there
                              # (AR: keys, values; ATR: terminals); a corrupted token is drawn from them
     heldout: object = None   # ATR generalisation split: (|Σ|, |Σ|) bool, True = held-out (parent, child)
     test: Split = None       # ATR generalisation split: the test documents (queries on held-out pairs)
     query: str = "parent"    # ATR: the child's parent (parent, inner) or sibling (AR: parent)
 
-    def decode(self, ids):
-        return " ".join(self.token_names[int(i)] for i in ids if int(i) != PAD)
+    def __post_init__(self):  # its splits know their vocabulary, so a model of another one refuses them
+        for split in filter(None, (self.train, self.eval, self.test)):
+            split.vocab_size = split.vocab_size or self.vocab_size
 
 
 def make_split(docs, pos):
@@ -327,12 +325,12 @@ def make_atr_split(grammar, n, stream, allow=None, query="parent"):
 def make_task(cfg, train=True):
     """The task of cfg, deterministic per cfg.seed. Grammar, training and evaluation data have separate
     streams, so the evaluation split does not depend on n_train (train=False skips the training split)."""
+    cfg.check()  # a Config changed after it was made
     if cfg.task == "ar":
         K, V = cfg.n_keys, cfg.n_values
-        names = ["<pad>", "<bos>", "<eos>"] + [f"k{i}" for i in range(K)] + [f"v{i}" for i in range(V)]
         rng = lambda stream: np.random.default_rng([cfg.seed, stream])
         return Task("ar", 3 + K + V, make_ar(cfg, cfg.n_train, rng(0)) if train else None,
-                    make_ar(cfg, cfg.n_eval, rng(1)), names, {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)})
+                    make_ar(cfg, cfg.n_eval, rng(1)), {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)})
     max_body, n_terminals = ATR_SETTINGS[cfg.atr_setting]
     grammar_rng = np.random.default_rng([cfg.seed, 2])
     grammar = Grammar(grammar_rng, n_terminals, max_body)
@@ -348,9 +346,8 @@ def make_task(cfg, train=True):
     train = make_atr_split(grammar, cfg.n_train, f"{cfg.seed}/train{gen}", allow, cfg.atr_query) if train else None
     evals = make_atr_split(grammar, cfg.n_eval, f"{cfg.seed}/{'iid' if heldout is None else 'dev'}", allow,
                            cfg.atr_query)
-    names = ["<pad>", "<bos>", "<eos>"] + [f"t{i}" for i in range(n_terminals)]
     terminals = (3, 3 + n_terminals)  # the child and its parent are both terminals
-    return Task("atr", 3 + n_terminals, train, evals, names, {"key": terminals, "value": terminals},
+    return Task("atr", 3 + n_terminals, train, evals, {"key": terminals, "value": terminals},
                 None if heldout is None else torch.from_numpy(heldout), test, cfg.atr_query)
 
 
@@ -363,7 +360,8 @@ def register(name, lr):
     contract, checked on every mixer built (check_mixer): Mixer(cfg, layer_idx) is the nn.Module of block
     layer_idx (cfg.d_model = d); its forward maps the normed stream (B, L, d) to (B, L, d), causally (output t
     reads input up to t). Mark its output projection with writes_residual; build a short conv as a ShortConv."""
-    why = ("that arch is registered already" if name in ARCHS else
+    why = ("the name must be a plain name: letters, digits and _" if not str(name).isidentifier() else
+           "that arch is registered already" if name in ARCHS else
            "the default learning rate must be a positive number" if isinstance(lr, bool) or not (
                isinstance(lr, numbers.Real) and 0 < lr < math.inf) else None)
     if why:
@@ -485,6 +483,7 @@ def zoology_init(model, n_layers):
 def build_model(cfg, vocab_size):
     """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was) by zoology_init, or by
     the mixer class's own init_weights (Mamba's)."""
+    cfg.check()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LanguageModel(cfg, vocab_size)
@@ -507,15 +506,21 @@ def answer_logits(model, ids, query):
 
 
 def readable(model, split):
-    """A split of documents the model can read (its first nn.Embedding is the token table), or one ValueError."""
+    """Refuse (one ValueError) a split the model cannot read: empty, or of another vocabulary (the model's first
+    nn.Embedding is its token table)."""
     n = next(mod.num_embeddings for mod in model.modules() if isinstance(mod, nn.Embedding))
-    if not len(split.input_ids) or int(split.input_ids.max()) >= n:
-        raise ValueError(f"this split of {len(split.input_ids)} documents is not of this model's task")
+    if not len(split.input_ids):
+        raise ValueError("this split holds no documents")
+    top, known = int(split.input_ids.max()), getattr(split, "vocab_size", 0)
+    if top >= n or known not in (0, n):
+        raise ValueError(f"this split is of a task of {known or f'over {top}'} tokens, not of this model's {n}")
 
 
 @torch.no_grad()
 def evaluate(model, split, batch_size=512):
     """Answer accuracy and mean answer probability on a split; also the predictions (M,)."""
+    if not (isinstance(batch_size, int) and batch_size > 0):
+        raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
     readable(model, split)
     device = next(model.parameters()).device
     preds, probs = [], []
@@ -576,10 +581,9 @@ def lr_factor(step, warmup_steps, total_steps):
 
 
 class Batches:
-    """Epochs over the training documents, each a fresh permutation from the run's generator, or with
-    fixed=True the stored order, as tinylang's experiment.py (batch k: documents [kB, kB+B)); the last
-    partial batch is dropped. next(): the batch's indices, and the length its padding is trimmed to. The order
-    is kept on the device: copying each batch's indices there would make the CPU wait for the GPU."""
+    """Epochs over the training documents, each a fresh permutation from the run's generator, or with fixed=True
+    the stored order, as tinylang's experiment.py (batch k: documents [kB, kB+B)); the last partial batch is
+    dropped. next(): the batch's indices (kept on the device, so the CPU never waits) and its trimmed length."""
 
     def __init__(self, lengths, batch_size, seed, device="cpu", compile=False, fixed=False):
         self.lengths, self.batch_size, self.device = lengths, batch_size, device
@@ -795,8 +799,9 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None, sites=
     lack what it reads)."""
     t0, device = time.time(), next(model.parameters()).device
     split = task.eval if split is None else split
-    if corrupt not in ("key", "value"):
-        raise ValueError(f"unknown corrupt '{corrupt}'; allowed: key, value")
+    if corrupt not in ("key", "value") or not (isinstance(seed, int) and 0 <= seed < 2 ** 63):
+        raise ValueError(f"unknown corrupt '{corrupt}'; allowed: key, value" if corrupt not in ("key", "value") else
+                         f"seed must be an integer from 0 to 2**63 - 1, not {seed!r}")
     check_inputs(model, task, split, corrupt)
     L = int(split.lengths.max())
     clean = split.input_ids[:, :L].to(device)
@@ -1198,6 +1203,8 @@ def config_errors(c):
     for f in fields(c):
         v, (kind, name) = getattr(c, f.name), kinds[f.type]
         yield not isinstance(v, kind) or isinstance(v, bool) != (f.type is bool), f"{f.name} must be {name}, not {v!r}"
+        yield f.type is int and abs(v) >= 2 ** 63, f"{f.name}={v} is out of range: below 2**63"
+        yield f.type is str and "\0" in v, f"{f.name} {v!r} holds a NUL byte"
     default = {f.name: f.default for f in fields(c)}
     widths = {"mamba": 0, "deltanet": 0, "based": 1, "base_conv": 1}  # the narrowest (or long)
     for name, allowed in (("task", TASKS), ("arch", list(ARCHS)), ("pos_emb", ("auto", "on", "off")),
@@ -1219,6 +1226,8 @@ def config_errors(c):
                  "n_eval"):
         yield getattr(c, name) <= 0, f"{name} must be a positive integer, not {getattr(c, name)}"
     yield c.analyze_every < 0, f"analyze_every must be 0 (no checks) or a number of steps, not {c.analyze_every}"
+    yield c.analyze_every not in (0, default["analyze_every"]) and c.analyze_every % c.eval_every, (
+        f"analyze_every={c.analyze_every} is not a multiple of eval_every={c.eval_every}: it checks at evaluations")
     yield not 0 <= c.seed < 2 ** 63, f"seed must be an integer from 0 to 2**63 - 1, not {c.seed}"
     yield c.steps < 0, f"steps must be positive (or 0 for the paper's schedule), not {c.steps}"
     yield not (math.isfinite(c.lr) and c.lr >= 0), f"lr must be a positive number (or 0 for the default), not {c.lr}"
@@ -1228,8 +1237,7 @@ def config_errors(c):
     yield not 0 < c.atr_heldout < 1, f"atr_heldout is a fraction in (0, 1), not {c.atr_heldout}"
     ar, P, K, V = c.task == "ar", c.n_pairs, c.n_keys, c.n_values
     yield ar and P > min(K, V), f"n_pairs={P} distinct pairs need as many keys and values, not n_keys={K}, n_values={V}"
-    yield ar and 2 * P + 5 > MAX_LEN, (f"n_pairs={P} makes documents of {2 * P + 5} tokens; the longest allowed is "
-                                       f"{MAX_LEN} (n_pairs <= {(MAX_LEN - 5) // 2})")
+    yield ar and 2 * P + 5 > MAX_LEN, f"n_pairs={P} makes documents over {MAX_LEN} tokens; at most {MAX_LEN // 2 - 3}"
     yield ar and min(K, V) < 2, f"n_keys={K} and n_values={V} must be at least 2 (the analysis swaps one for another)"
     yield ar and K + V > 10 ** 7, f"n_keys={K} and n_values={V} make {K + V:,} tokens; at most 10,000,000"
     yield c.arch == "h3" and c.d_model % 2, f"h3 splits d_model into heads of 2 channels; d_model={c.d_model} is odd"
@@ -1237,19 +1245,18 @@ def config_errors(c):
         yield getattr(c, name) != default[name], (f"{name}={getattr(c, name)} is an {'ATR' if ar else 'AR'} option; "
                                                   f"with task={c.task} leave it out")
     yield c.atr_query == "sibling" and c.corrupt == "value", \
-        "corrupt=value needs a value in every document; with atr_query=sibling a child may be its own answer: use key"
+        "corrupt=value needs a value in every document, which sibling queries lack; use key"
     yield c.atr_heldout != default["atr_heldout"] and c.atr_split != "gen", (
         f"atr_heldout={c.atr_heldout} applies to the generalisation split only; add --task atr --atr_split gen")
     steps = c.steps or PAPER_STEPS.get(c.task, 0)
     yield c.analyze_every not in (0, default["analyze_every"]) and c.analyze_every > steps, (
-        f"analyze_every={c.analyze_every} is more than the {steps} steps, so the mechanism would never be checked")
+        f"analyze_every={c.analyze_every} is more than the {steps} steps: no check would run")
     yield c.batch_size > c.n_train, f"batch_size={c.batch_size} is larger than the training set (n_train={c.n_train})"
 
 
 def check_mixer(mixer, cfg):
-    """register's contract, else one ConfigError sentence: row t of a batch keeps u up to t, the rest drawn anew, and
-    its outputs up to t must equal u's (causal: every t of 32 positions, and t = 0 of MAX_LEN, the longest
-    document); every output has u's shape."""
+    """register's contract, else one ConfigError: row t of a batch keeps u up to t, the rest drawn anew, and
+    its outputs up to t must equal u's (every t of 32 positions, and t = 0 of MAX_LEN), in u's shape."""
     for L, cuts in ((32, torch.arange(32)), (MAX_LEN, torch.zeros(1, dtype=torch.long))):
         u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
         keep = torch.arange(L)[None, :, None] <= cuts[:, None, None]  # row i keeps 0..cuts[i]
@@ -1268,9 +1275,8 @@ def check_mixer(mixer, cfg):
 
 
 def watch(model, task, cfg):
-    """The mechanism as it forms, for the history (at the first evaluation from each multiple of analyze_every):
-    the verdict from only the cells it reads (at 2 layers 6 cells, 8 forwards; the whole grid takes 52-72), the gap
-    p_clean - p_corrupt (does the key matter) and the accuracy on n_eval training documents."""
+    """The mechanism as it forms (at the first evaluation from each multiple of analyze_every): the verdict from the
+    cells it reads (6 at 2 layers), the gap p_clean - p_corrupt, and the accuracy on n_eval training documents."""
     n = len(model.blocks)
     cells = [("block_output", l, "query") for l in range(n)]
     cells += [("block_input", l, k) for l in range(1, n) for k in (*ROUTE, "query")]
@@ -1280,25 +1286,24 @@ def watch(model, task, cfg):
 
 
 def save_file(path, obj):
-    """obj into path (JSON, or torch.save for .pt) by a temporary file and a rename: a failed write loses nothing."""
+    """obj into path (JSON, text, or torch.save) by a temporary file and a rename: a failed write loses nothing."""
     tmp = path + ".tmp"
     try:
-        if path.endswith(".json"):
+        if path.endswith((".json", ".md")):
             with open(tmp, "w") as f:
-                json.dump(obj, f, indent=1)
+                f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=1))
         else:
             torch.save(obj, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         if os.path.isfile(tmp):
             os.remove(tmp)
-        raise ConfigError(f"cannot write {path} ({getattr(e, 'strerror', None) or type(e).__name__}); that file "
-                          f"keeps what it held before") from None
+        kept = "that file keeps what it held before" if os.path.isfile(path) else "nothing was written"
+        raise ConfigError(f"cannot write {path} ({getattr(e, 'strerror', None) or type(e).__name__}); {kept}") from None
 
 
 def load_file(path, need=("config",)):
-    """The dict a file of this tool holds (JSON, or a .pt checkpoint), with the keys `need`; anything else (cut
-    short, garbage, another tool's) is one ConfigError, and is kept."""
+    """The dict a file of this tool holds, with the keys `need`; anything else is one ConfigError, and is kept."""
     try:
         if path.endswith(".json"):
             with open(path) as f:
@@ -1308,9 +1313,36 @@ def load_file(path, need=("config",)):
     except Exception as e:  # json and torch raise many kinds
         obj = e
     why = next((f"no '{k}'" for k in need if k not in obj), None) if isinstance(obj, dict) else type(obj).__name__
+    statuses = ("running", "trained", "completed", "target reached", "nonfinite")
+    why = why or obj.get("status", "running") not in statuses and f"status {obj['status']!r}"
     if why or not isinstance(obj.get("config", {}), dict):
         raise ConfigError(f"{path} is not a file this tool wrote or can read ({why or 'config'})")
     return obj
+
+
+FILES = {"config.json": ("task", "arch"), "results.json": ("config", "status", "steps_done"),
+         "model.pt": ("config", "vocab_size", "model")}  # in the order they are first written
+
+
+def run_files(run_dir, cfg=None):
+    """(cfg, {name: content}) of a run folder's FILES, each this tool's, of cfg's settings (None: model.pt's, for
+    --load) and, when training, none without one written before it; else one ConfigError, nothing changed."""
+    at = lambda name: os.path.join(run_dir, name)
+    got = {name: load_file(at(name), need) for name, need in FILES.items() if os.path.exists(at(name))}
+    if cfg is None and "model.pt" not in got:
+        raise ConfigError(f"no checkpoint at {at('model.pt')}; --load takes a run folder written by training")
+    fix = "it holds files of two runs; move one away" if cfg is None else None
+    if cfg is None:
+        try:
+            cfg = Config(**got["model.pt"]["config"])
+        except TypeError as e:
+            raise ConfigError(f"checkpoint {at('model.pt')} holds a config this version cannot read ({e})") from None
+    elif list(got) != list(FILES)[:len(got)]:
+        gap = next(name for name in FILES if name not in got)
+        raise ConfigError(f"{run_dir} holds {' and '.join(got)} but no {gap}, written before them; move it away")
+    for name, obj in got.items():
+        same_settings(obj if name == "config.json" else obj["config"], cfg, at(name), fix)
+    return cfg, got
 
 
 def fmt_time(s):
@@ -1326,48 +1358,40 @@ def default_run_name(cfg):
     return f"{cfg.task}{extra}_{cfg.arch}_d{cfg.d_model}_l{cfg.n_layers}_lr{cfg.lr:g}_s{cfg.seed}"
 
 
-def same_settings(config, cfg, where):
-    """Refuse (ConfigError) a saved config, kept in `where`, that differs from cfg in a setting that changes the run
-    (all but out_dir, device, compile; a setting an older folder lacks counts as its default)."""
+def same_settings(config, cfg, where, fix=None):
+    """Refuse a saved config that differs from cfg in a setting of the run (not out_dir, device, compile); a
+    setting an older folder lacks counts as its default."""
     old = {f.name: config.get(f.name, f.default) for f in fields(Config)}
     k = next((f.name for f in fields(Config) if f.name not in ("out_dir", "device", "compile")
               and old[f.name] != getattr(cfg, f.name)), None)
     if k is not None:
         held = f"{k}={old[k]}" if k in config else f"no {k} (the default, {old[k]})"
-        raise ConfigError(f"{where} holds a run with {held}, not {k}={getattr(cfg, k)}; give another --run_name or "
-                          f"--out_dir, or move that folder away")
+        raise ConfigError(f"{where} holds a run with {held}, not {k}={getattr(cfg, k)}; "
+                          f"{fix or 'give another --run_name or --out_dir, or move that folder away'}")
 
 
 class Run:
-    """The bookkeeping of a training run, train's seam: out_dir/run_name holds config.json, results.json and
-    model.pt (a checkpoint at every evaluation, the final weights at the end). A finished run is returned as it
-    is; one stopped by a NaN says how to go on; an unfinished one continues bit for bit."""
+    """A training run's folder, out_dir/run_name: config.json, results.json and model.pt (a checkpoint at every
+    evaluation, then the final weights). A finished run is returned as it is, a cut one continues bit for bit."""
 
     def __init__(self, cfg, log=print):
         k = next((k for k, v in asdict(cfg).items() if v != cfg._made[k]), None)
         if k:
             raise ConfigError(f"{k} was changed after the Config was made; make a new Config")
         self.cfg, self.log, self.dir, self.t0 = cfg, log, os.path.join(cfg.out_dir, cfg.run_name), time.time()
-        self.ckpt, self.ev = None, None
         log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
-        if os.path.exists(self.path("config.json")):
-            same_settings(load_file(self.path("config.json"), ("task", "arch")), cfg, self.dir)
-        self.results = load_file(self.path("results.json")) if os.path.exists(self.path("results.json")) else {}
+        _, self.files = run_files(self.dir, cfg)
+        self.results, self.ckpt, self.ev = self.files.get("results.json", {}), self.files.get("model.pt"), None
         self.finished = (status := self.results.get("status")) in ("completed", "target reached")
         if status == "trained" and not os.path.exists(self.path("model.pt")):
             raise ConfigError(f"{self.dir} is trained but has no model.pt; move the folder away")
         if status == "nonfinite":
-            raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results.get('steps_done')} "
+            raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results['steps_done']} "
                                 f"(lr={cfg.lr:g}); train another --lr, or move the folder away to start over")
         if self.finished:
-            log(f"{self.dir} finished ({status}) at step {self.results.get('steps_done')}; these are its results (move "
-                f"the folder away to train it again)")
-        elif os.path.exists(self.path("model.pt")):
-            self.ckpt = load_file(self.path("model.pt"), ("config", "vocab_size", "model"))
-            same_settings(self.ckpt["config"], cfg, self.path("model.pt"))
-            if "optimizer" not in self.ckpt and status != "trained":
-                raise ConfigError(f"{self.path('model.pt')} holds final weights but results.json does not say the run "
-                                  f"finished; move the folder away to train again")
+            log(f"{self.dir} finished ({status}) at step {self.results['steps_done']}; these are its results")
+        elif self.ckpt is not None and "optimizer" not in self.ckpt and status != "trained":
+            raise ConfigError(f"{self.path('model.pt')} holds final weights, results.json a cut run; move one away")
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -1383,14 +1407,18 @@ class Run:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot create the run folder {self.dir} ({e.strerror})") from None
-        save_file(self.path("config.json"), asdict(cfg))  # only now: the task and the model fit in memory
+        save_file(self.path("config.json"), {**self.files.get("config.json", {}), **asdict(cfg)})  # and a user's
         self.task, self.model = task, model
         self.state = dict(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
         self.results = {"config": asdict(cfg), "status": "running", "n_params": n_params, "steps_done": 0,
                         "history": [], "train_seconds": 0.0}
         if self.ckpt is not None:
             for name, obj in self.state.items() if not trained else [("model", model)]:
-                obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
+                try:
+                    obj.load_state_dict(self.ckpt if name == "batches" else self.ckpt[name])
+                except (KeyError, ValueError, RuntimeError, TypeError) as e:
+                    raise ConfigError(f"{self.path('model.pt')} holds a {name} state that does not fit "
+                                      f"({type(e).__name__}); move the folder away") from None
             self.log(f"resuming {self.dir} from its {'final weights' if trained else 'checkpoint'} at step "
                      f"{self.ckpt['step']:,} of {cfg.steps:,}")
             self.results = saved if trained else self.ckpt["results"]
@@ -1411,7 +1439,7 @@ class Run:
                                 f"{step - n + 1} and {step} (lr={cfg.lr:g}); {kept or 'no checkpoint was kept'}")
         r["history"].append(h := {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer":
                                   round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
-        if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:  # watch it form
+        if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:
             h.update(watch(self.model, self.task, cfg))
         r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"])
         watched = f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}" if "verdict" in h else ""
@@ -1444,33 +1472,23 @@ class Run:
         return r
 
 
-EVAL_ONLY_FIELDS = ("device", "compile", "n_eval", "out_dir", "analyze", "corrupt")  # --load may change these
-
-
 def load_run(run_dir, **expect):
-    """(cfg, model) of a run folder; expect: settings given with it, which must match but EVAL_ONLY_FIELDS."""
-    path = os.path.join(run_dir, "model.pt")
-    if not os.path.isfile(path):
-        raise ConfigError(f"no checkpoint at {path}; --load takes a run folder written by training")
-    ckpt = load_file(path, ("config", "vocab_size", "model"))
-    try:
-        cfg = Config(**ckpt["config"])
-    except TypeError as e:
-        raise ConfigError(f"checkpoint {path} holds a config this version cannot read ({e})") from None
-    config = os.path.join(run_dir, "config.json")
-    if os.path.exists(config):  # a model.pt brought in from another run
-        same_settings(load_file(config, ("task", "arch")), cfg, config)
-    k = next((k for k, v in expect.items() if k not in EVAL_ONLY_FIELDS and getattr(cfg, k, None) != v), None)
+    """(cfg, model) of a run folder; the settings given must match its own, but those of evaluation."""
+    cfg, files = run_files(run_dir)
+    evaluation = ("device", "n_eval", "analyze", "corrupt")  # the settings --load may change
+    given = {k: getattr(replace(cfg, **{k: v}), k) for k, v in expect.items() if k in asdict(cfg)}  # lr=0: the default
+    k = next((k for k in expect if k not in given or k not in evaluation and getattr(cfg, k) != given[k]), None)
     if k is not None:
-        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={expect[k]}; drop --{k}"
-                          if hasattr(cfg, k) else f"{k} is not a setting of Config")
-    cfg = replace(cfg, **{k: v for k, v in expect.items() if k in EVAL_ONLY_FIELDS})
+        raise ConfigError(f"run {run_dir} was trained with {k}={getattr(cfg, k)}, not {k}={given[k]}; drop --{k}"
+                          if k in given else f"{k} is not a setting of Config")
+    cfg, ckpt = replace(cfg, **{k: v for k, v in expect.items() if k in evaluation}), files["model.pt"]
     model = build_model(cfg, ckpt["vocab_size"])
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # its last line names the parameter that does not fit
-        raise ConfigError(f"checkpoint {path} does not fit a {cfg.arch} model with d_model={cfg.d_model} "
-                          f"and n_layers={cfg.n_layers} ({str(e).strip().splitlines()[-1].strip()})") from None
+        why = str(e).strip().splitlines()[-1].strip()
+        raise ConfigError(f"checkpoint {os.path.join(run_dir, 'model.pt')} does not fit a {cfg.arch} model with "
+                          f"d_model={cfg.d_model} and n_layers={cfg.n_layers} ({why})") from None
     return cfg, model
 
 
@@ -1484,30 +1502,24 @@ def paper_lrs(task, arch):
     return (3e-5, 1e-4, 3e-4, 1e-3, 3e-3) + ((1e-2, 3e-2) if task == "ar" and arch != "attention" else ())
 
 
-def _quiet_run(cfg):
-    """cfg's results: train (which returns a finished run as it is); a run stopped by a NaN is a result too."""
-    try:
-        return train(cfg, log=lambda s: None)
-    except NonFiniteLoss:
-        return load_file(os.path.join(cfg.out_dir, cfg.run_name, "results.json"))
-
-
-def sweep(base, widths=PAPER_WIDTHS, lrs=None, log=print, seeds=None, shard=None):
-    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, base.out_dir, log, seeds,
-                      shard)
+def sweep(base, widths=PAPER_WIDTHS, lrs=None, log=print, seeds=None):
+    return run_sweeps(f"sweep {base.arch} on {base.task}", [(base.arch, base)], widths, lrs, base.out_dir, log, seeds)
 
 
 def run_all(cfgs, log=print):
-    """_quiet_run every config in turn (runs at once: --shard i/N in N processes)."""
+    """Train every config in turn (a finished run is returned as it is); a run stopped by a NaN is a result too."""
     results = []
     for i, cfg in enumerate(cfgs):
-        results.append(r := _quiet_run(cfg))
+        try:
+            results.append(r := train(cfg, log=lambda s: None))
+        except NonFiniteLoss:
+            results.append(r := load_file(os.path.join(cfg.out_dir, cfg.run_name, "results.json")))
         log(f"  [{i + 1}/{len(cfgs)}] {cfg.run_name}: {r['status']}, acc {r.get('final_acc', 0.0):.4f}")
     return results
 
 
 def best_rows(label, cfgs, results, widths):
-    """Per width: the best rate on the mean over seeds, its seed_stats, the paper's %, its best seed's verdict."""
+    """Per width: the best rate on the mean over seeds, its seed_stats and its best seed's verdict."""
     rows = []
     for d in widths:
         by_lr = {}
@@ -1528,8 +1540,8 @@ def best_rows(label, cfgs, results, widths):
 
 
 def seed_stats(runs):
-    """One width and rate over seeds: the accuracy's mean, sample std (None for one seed), min and max (%), the
-    seeds at 50 % or more, and the last layer's block_input attribution averaged over those (else over all)."""
+    """One width and rate over seeds: the accuracy's mean, sample std, min and max (%), the seeds at 50 % or more,
+    and the last layer's block_input attribution averaged over those (else over all)."""
     pct = lambda key: [100 * r.get(key, 0.0) for r in runs]
     acc = pct("final_acc")
     ok = [r for r, a in zip(runs, acc) if a >= 50] or runs
@@ -1555,7 +1567,7 @@ def md_table(header, rows):
 
 
 def save_summary(out_dir, title, rows, runs, log=print):
-    """summary.json and summary.md (also logged): best rate per width, every rate over seeds, dev -> test."""
+    """summary.json and summary.md (also logged): the best rate per width; dev -> test."""
     gen = [r for r in rows if "test_acc" in r]
     pm = lambda s: s["acc"] if s["acc_std"] is None else f"{s['acc']:.2f} ± {s['acc_std']:.2f}"
     spread = lambda s: (pm(s), f"{s['acc_min']:.2f}–{s['acc_max']:.2f}", f"{s['successes']}/{s['n']}")
@@ -1564,9 +1576,6 @@ def save_summary(out_dir, title, rows, runs, log=print):
          "query", "verdict"), [(r["label"], r["d_model"], f"{r.get('n_params') or 0:,}", f"{r['best_lr']:g}",
                                f"{r['steps'] or 0:,}", *spread(r),
                       *r["attribution"].values(), r["verdict"]) for r in rows])
-    lines += ["", "every rate over seeds", "", *md_table(("run", "d", "lr", "accuracy %", "min–max", "≥ 50 %"), [
-        (r["label"], r["d_model"], lr, *spread(s)) for r in rows for lr, s in r["acc_by_lr"].items()])] \
-        if any(r["n"] > 1 for r in rows) else []
     num = lambda v: "-" if v is None else f"{v:.2f}"
     lines += ["", "generalisation split: dev -> test", "", *md_table(
         ("run", "d", "dev %", "test %", "value", "key", "query"),
@@ -1576,15 +1585,13 @@ def save_summary(out_dir, title, rows, runs, log=print):
     summary = {"title": title, "runs": runs, "rows": rows}
     os.makedirs(out_dir, exist_ok=True)
     save_file(os.path.join(out_dir, "summary.json"), summary)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    save_file(os.path.join(out_dir, "summary.md"), "\n".join(lines) + "\n")
     log("\n".join(lines))
     return summary
 
 
-def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None, shard=None):
-    """Sweep each (label, config) entry over widths x lrs (default: the paper's) x seeds,
-    then summarise in out_dir and in each entry's folder. shard = (i, n): runs i, i+n, ... only."""
+def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None):
+    """Sweep each (label, config) entry over widths x lrs (default: the paper's) x seeds; summarise in out_dir."""
     grids = [[replace(cfg, d_model=d, lr=lr, seed=seed, run_name="") for d in widths
               for lr in lrs or paper_lrs(cfg.task, cfg.arch) for seed in seeds or (cfg.seed,)] for _, cfg in entries]
     every = lambda name: sorted({getattr(c, name) for g in grids for c in g})
@@ -1596,14 +1603,11 @@ def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None, shar
         path = os.path.join(folder, "summary.json")
         old = load_file(path, ("title", "runs", "rows")) if os.path.exists(path) else None
         if twice or (old["runs"] != runs[folder] if old else os.path.exists(path[:-4] + "md")):
-            raise ConfigError(f"the grid names run {twice} twice; give each value once" if twice else
+            raise ConfigError(f"the grid names run {twice} twice (a name keeps 6 digits of lr); give each once"
+                              if twice else
                               f"{folder} holds another summary; give another --out_dir")
     log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
         f"{every('lr')} x seeds {every('seed')}, in {out_dir}")
-    if shard:
-        mine = [c for g in grids for c in g][shard[0]::shard[1]]
-        log(f"shard {shard[0]}/{shard[1]}: {len(mine)} runs; without --shard, the same command summarises")
-        return run_all(mine, log)
     results, rows = run_all([c for g in grids for c in g], log), []
     for (label, cfg), grid in zip(entries, grids):
         res, results = results[:len(grid)], results[len(grid):]
@@ -1633,9 +1637,8 @@ def presets():
     }
 
 
-def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None, shard=None):
-    """Every sweep of a preset, each into out_dir/<label>/, the user's args under the preset's own settings, over
-    the widths, rates and seeds given, else the paper's (one seed; the preset seeds: three)."""
+def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None):
+    """Every sweep of a preset into out_dir/<label>/, over the widths, rates and seeds given, else the paper's."""
     table = presets()
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
@@ -1646,14 +1649,14 @@ def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None, shard=N
     widths, seeds = widths or PAPER_WIDTHS, seeds or ((0, 1, 2) if name == "seeds" else None)
     entries = [(label, Config(**{**args, **settings, "out_dir": os.path.join(out_dir, label), "run_name": ""}))
                for label, settings in table[name]]
-    return run_sweeps(f"preset {name}", entries, widths, lrs, out_dir, log, seeds, shard)
+    return run_sweeps(f"preset {name}", entries, widths, lrs, out_dir, log, seeds)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Command line: one flag per Config field, plus --load.
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit status 2, no usage dump
+    def error(self, message):  # one line, exit status 2
         print(f"error: {message}; see --help", file=sys.stderr)
         sys.exit(2)
 
@@ -1664,49 +1667,43 @@ def _numbers(kind):  # each value is then checked as its setting (a width as d_m
     return parse
 
 
-def _shard(s):
-    i, _, n = s.partition("/")
-    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
-        raise argparse.ArgumentTypeError(f"'{s}' is not a shard i/n with 0 <= i < n, e.g. 0/8")
-    return int(i), int(n)
-
-
 def parse_args(argv=None):
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
-    p._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e-3 is a value (Python 3.13)
+    p._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e-3 is a value
     for f in fields(Config):
         flag = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)  # --no-compile
         extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
         p.add_argument(f"--{f.name}", **flag, default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")
     widths = ",".join(map(str, PAPER_WIDTHS))
-    for name, kind, help in (  # the flags that are not Config fields
+    for name, kind, help in (  # not Config fields
             ("load", dict(metavar="RUN"), "evaluate a saved run folder instead of training"),
             ("sweep", dict(action="store_true"), "train every width x learning rate, keep the best per width"),
             ("widths", dict(type=_numbers(int), metavar="D,D,..."), f"sweep widths (default: {widths})"),
             ("lrs", dict(type=_numbers(float), metavar="LR,LR,..."),
              "sweep learning rates, 0 = the arch's default (default: the paper's grid)"),
             ("seeds", dict(type=_numbers(int), metavar="S,S,..."),
-             "sweep seeds: every width x rate trained once per seed (default: --seed; preset seeds: 0,1,2)"),
-            ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets())),
-            ("shard", dict(type=_shard, metavar="I/N"), "train runs I, I+N, .. only, no summary (a job array)")):
+             "sweep seeds (default: --seed; preset seeds: 0,1,2)"),
+            ("preset", dict(metavar="NAME"), "run one of the paper's experiments as sweeps: " + ", ".join(presets()))):
         p.add_argument(f"--{name}", default=argparse.SUPPRESS, help=help, **kind)
     return vars(p.parse_args(argv))
 
 
 def evaluate_run(run_dir, args, log=print):
     """--load: evaluate a saved run; with --analyze add its intervention grid to its results.json."""
+    draw = args.get("analyze", False)
+    if "corrupt" in args and not draw:
+        raise ConfigError("--corrupt applies to the grid, which --load draws with --analyze only")
     cfg, model = load_run(run_dir, **args)
     model.to(setup(cfg))
     task = make_task(cfg, train=False)
     ev = evaluate(model, task.eval)
     log(f"{run_dir}: {cfg.arch} on {cfg.task}, eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
-    path = os.path.join(run_dir, "results.json")
-    results = load_file(path) if os.path.exists(path) else {}  # a bad file stops before the analysis
-    if args.get("analyze", False) and results.get("status", "completed") not in ("completed", "target reached"):
+    path, results = os.path.join(run_dir, "results.json"), run_files(run_dir)[1].get("results.json", {})
+    if draw and results.get("status", "completed") not in ("completed", "target reached"):
         raise ConfigError(f"{run_dir} is unfinished ({results['status']}): its training command finishes it")
-    found = analyze(model, task, cfg, {}, log, intervene=args.get("analyze", False))
-    if args.get("analyze", False):  # another setting's grid: beside the training's
+    found = analyze(model, task, cfg, {}, log, intervene=draw)
+    if draw:  # another setting's grid: beside the training's
         if any(results.get("config", {}).get(k, getattr(cfg, k)) != getattr(cfg, k) for k in ("corrupt", "n_eval")):
             again = dict(corrupt=cfg.corrupt, n_eval=cfg.n_eval, **found)
             found = {"reanalyses": results.get("reanalyses", []) + [again]}
@@ -1715,7 +1712,7 @@ def evaluate_run(run_dir, args, log=print):
 
 def main(argv=None):
     args = parse_args(argv)
-    grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds", "shard") if k in args}  # sweep flags
+    grid = {k: args.pop(k) for k in ("widths", "lrs", "seeds") if k in args}
     flags = {k: args.pop(k) for k in ("sweep", "preset", "load") if k in args}
     try:
         if len(flags) > 1:  # one would be ignored
@@ -1724,6 +1721,8 @@ def main(argv=None):
         if k or 0 < args.get("analyze_every", 0) > Config(**args).steps and "load" not in flags:
             raise ConfigError(f"--{min(flags)} sets each run's {k}; leave out --{k}" if k else
                               f"analyze_every={args['analyze_every']} is more than the steps")
+        if "seed" in args and "seeds" in grid:
+            raise ConfigError("--seeds gives the sweep's seeds; leave out --seed")
         if "preset" in flags:
             run_preset(flags["preset"], args, **grid)
         elif flags.get("sweep"):
@@ -1738,10 +1737,11 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError
-        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+        if not isinstance(e, MemoryError) and "alloc" not in str(e) and "overflow" not in str(e):
             raise
+        sizes = "n_eval" if "load" in flags else "d_model, n_layers, n_keys, n_values, n_train or n_eval"
         print(f"error: the run does not fit in memory (a {type(e).__name__} while allocating); give a smaller "
-              f"d_model, n_keys, n_values or n_train", file=sys.stderr)
+              f"{sizes}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # each file is written whole (save_file) or not at all
         print("interrupted; saved files are kept; the same command resumes from a checkpoint, if any",

@@ -461,8 +461,10 @@ def test_watching_the_mechanism_never_changes_training(tmp_path):
     assert f"| train acc {watched['history'][1]['train_acc']:.4f}, " in step20
     assert step20.endswith(m.verdict_text(watched["history"][1]["verdict"], numbers=False))
     assert "train acc" not in next(l for l in lines if l.startswith("step     10"))
-    odd = m.train(m.replace(cfg, eval_every=15, steps=60, analyze_every=20, run_name="odd"), log=lambda s: None)
-    assert [h["step"] for h in odd["history"] if "verdict" in h] == [30, 45, 60]  # the first evaluation from 20, 40, 60
+    with pytest.raises(m.ConfigError, match="analyze_every=20 is not a multiple of eval_every=15"):
+        m.replace(cfg, eval_every=15, steps=60, analyze_every=20)  # it would check at steps 30, 45 and 60
+    odd = m.train(m.replace(cfg, eval_every=15, steps=50, analyze_every=30, run_name="odd"), log=lambda s: None)
+    assert [h["step"] for h in odd["history"] if "verdict" in h] == [30]  # not at 45, nor at the last step, 50
 
 
 # ------------------------------------------------------------------------------------ interventions
@@ -1016,6 +1018,11 @@ def test_cli_load_refuses_mismatch(tmp_path, capsys):
     torch.save(ckpt, os.path.join(run, "model.pt"))
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(ckpt["config"]))
     assert m.main(["--load", run]) == 2
+    assert "results.json holds a run with d_model=16, not d_model=24; it holds files of two runs" in \
+        capsys.readouterr().err
+    results = json.loads((tmp_path / "tiny" / "results.json").read_text())
+    (tmp_path / "tiny" / "results.json").write_text(json.dumps({**results, "config": ckpt["config"]}))
+    assert m.main(["--load", run]) == 2
     err = capsys.readouterr().err.strip()
     assert "does not fit" in err and "d_model=24" in err and "\n" not in err
 
@@ -1253,6 +1260,123 @@ def test_an_interrupt_inside_the_final_grid_leaves_a_run_the_same_command_finish
     (tmp_path / "cut" / "results.json").write_text(json.dumps({**b, "status": "trained"}))
     assert m.main(argv + ["--run_name", "cut"]) == 2
     assert "is trained but has no model.pt" in capsys.readouterr().err
+
+
+def test_a_file_of_another_run_or_tool_is_refused_and_kept_and_the_next_command_resumes(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """results.json of another tool or run, a status this tool never writes, a file missing before one written
+    after it: one sentence and nothing changed, by training and by --load; put back, the same command resumes. A
+    key the user added to config.json stays."""
+    argv, run = cut_run(tmp_path, monkeypatch)
+    ours, _ = (run / "results.json").read_text(), capsys.readouterr()
+    for text, words in (('{"config": {}, "note": "my notes"}', "results.json is not a file this tool wrote or can "
+                                                                 "read (no 'status')"),
+                        ('{"config": {}, "status": "completed", "steps_done": 30}', "results.json holds a run with "
+                         "no n_pairs (the default, 16), not n_pairs=3"),
+                        ('{"config": {}, "status": "done", "steps_done": 3}', "(status 'done')"),
+                        ('{"config": {}, "status": "completed"}', "(no 'steps_done')")):
+        (run / "results.json").write_text(text)
+        before = folder_bytes(run)
+        for args in (argv, ["--load", str(run)]):
+            assert m.main(args) == 2
+            err = capsys.readouterr().err
+            assert words in err and err.count("\n") == 1 and "step None" not in err, err
+            assert folder_bytes(run) == before
+    (run / "results.json").unlink()  # removed by hand: the tool's own files are named, not called foreign
+    assert m.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{run} holds config.json and model.pt but no results.json, written before them" in err
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").unlink()
+    (run / "results.json").write_text(ours)
+    assert m.main(argv) == 2 and "holds results.json and model.pt but no config.json" in capsys.readouterr().err
+    (run / "config.json").write_text(json.dumps({**config, "note": "my notes"}))  # put back, with the user's key
+    assert m.main(argv) == 0 and "from its checkpoint at step 10 of 30" in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["note"] == "my notes"
+    assert json.loads((run / "results.json").read_text())["status"] == "completed"
+
+
+def test_every_flag_is_honoured_or_refused_in_one_true_sentence(tmp_path, capsys):
+    """--load takes only the settings it uses; --lr 0 means the default there too; --seed beside --seeds, a
+    grid naming one folder twice, a file that cannot be written, sizes past any memory: one sentence, no
+    traceback, nothing written."""
+    argv = TINY + ["--out_dir", str(tmp_path), "--run_name", "r", "--no-analyze"]
+    assert m.main(argv) == 0
+    run, _ = str(tmp_path / "r"), capsys.readouterr()
+    before = folder_bytes(tmp_path / "r")
+    for extra, words in ((["--corrupt", "value"], "--corrupt applies to the grid"),
+                         (["--out_dir", str(tmp_path / "x")], "was trained with out_dir="),
+                         (["--compile"], "was trained with compile=False, not compile=True; drop --compile"),
+                         (["--lr", "3e-3"], "was trained with lr=0.001, not lr=0.003"),
+                         (["--steps", "0"], "was trained with steps=30, not steps=50016")):
+        assert m.main(["--load", run, *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert m.main(["--load", run, "--lr", "0"]) == 0 and m.main(["--load", run, "--lr", "1e-3"]) == 0  # the same
+    assert folder_bytes(tmp_path / "r") == before
+    capsys.readouterr()
+    for extra, words in ((["--sweep", "--widths", "8", "--seed", "5", "--seeds", "0"], "leave out --seed"),
+                         (["--sweep", "--widths", "8", "--lrs", "0.001,0.0010000001"], "a name keeps 6 digits of lr"),
+                         (["--analyze_every", "15"], "analyze_every=15 is not a multiple of eval_every=10"),
+                         (["--d_model", str(2 ** 64)], f"d_model={2 ** 64} is out of range"),
+                         (["--sweep", "--widths", str(2 ** 64)], f"d_model={2 ** 64} is out of range"),
+                         (["--n_train", str(2 ** 63)], "below 2**63"), (["--n_eval", str(2 ** 70)], "below 2**63"),
+                         (["--run_name", "a\0b"], "holds a NUL byte"),
+                         (["--d_model", str(2 ** 62)], "does not fit in memory"),
+                         (["--n_eval", str(2 ** 50)], "does not fit in memory")):
+        out = str(tmp_path / "new")
+        assert m.main(TINY[:-6] + ["--steps", "30", "--eval_every", "10", *extra, "--out_dir", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+        assert not os.path.exists(out) or not os.listdir(out) or extra[-1] == str(2 ** 50)
+    assert m.main(["--load", run, "--n_eval", str(2 ** 50)]) == 2
+    assert "does not fit in memory" in (err := capsys.readouterr().err) and "give a smaller n_eval" in err
+    os.makedirs(tmp_path / "t" / "r" / "results.json.tmp")  # results.json cannot be written, and never was
+    assert m.main(TINY + ["--out_dir", str(tmp_path / "t"), "--run_name", "r"]) == 2
+    assert "results.json (Is a directory); nothing was written" in capsys.readouterr().err
+    os.makedirs(tmp_path / "s" / "summary.md")  # a summary that is a folder
+    assert m.main(SMALL + ["--sweep", "--widths", "8", "--lrs", "1e-3", "--out_dir", str(tmp_path / "s")]) == 2
+    assert "holds another summary" in capsys.readouterr().err
+
+
+def test_a_checkpoint_with_a_state_that_does_not_fit_is_refused_and_kept(tmp_path, capsys, monkeypatch):
+    argv, run = cut_run(tmp_path, monkeypatch)
+    ckpt, _ = torch.load(run / "model.pt", weights_only=True), capsys.readouterr()
+    for name in ("optimizer", "scheduler"):
+        torch.save({**ckpt, name: {}}, run / "model.pt")
+        before = folder_bytes(run)
+        assert m.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"model.pt holds a {name} state that does not fit" in err and err.count("\n") == 1, err
+        assert folder_bytes(run) == before
+    torch.save(ckpt, run / "model.pt")
+    assert m.main(argv) == 0 and "from its checkpoint at step 10 of 30" in capsys.readouterr().out
+
+
+def test_a_sweep_cut_inside_a_grid_is_finished_and_summarised_by_the_same_command(tmp_path, capsys, monkeypatch):
+    """The sweep's second run is cut inside its final grid: the same command finishes that run (training nothing
+    again), trains the rest and writes the summary a sweep never cut writes."""
+    argv = lambda out: SMALL + ["--steps", "20", "--sweep", "--widths", "8", "--lrs", "1e-3,3e-3", "--out_dir",
+                                str(tmp_path / out)]
+    assert m.main(argv("whole")) == 0
+    real, calls = m.mechanism, []
+
+    def cut_second_grid(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+    monkeypatch.setattr(m, "mechanism", cut_second_grid)
+    assert m.main(argv("cut")) == 130
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    monkeypatch.setattr(m, "mechanism", real)
+    monkeypatch.setattr(m, "train_step", lambda *a, **k: pytest.fail("a trained run was trained again"))
+    assert m.main(argv("cut")) == 0
+    capsys.readouterr()
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "cut"))
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]
+    assert drop(a["rows"]) == drop(b["rows"]) and a["runs"] == b["runs"]
+    assert (tmp_path / "cut" / "summary.md").read_text() == (tmp_path / "whole" / "summary.md").read_text()
 
 
 def test_a_checkpoint_is_kept_only_where_the_evaluation_is_finite(tmp_path, capsys, monkeypatch):
@@ -1712,7 +1836,7 @@ def test_presets_expand_to_the_paper_grids():
 
 def test_presets_sweep_the_paper_grid_and_the_seeds_preset_three_seeds(tmp_path, monkeypatch):
     grids = []
-    monkeypatch.setattr(m, "run_sweeps", lambda title, entries, widths, lrs, out_dir, log, seeds, shard:
+    monkeypatch.setattr(m, "run_sweeps", lambda title, entries, widths, lrs, out_dir, log, seeds:
                         grids.append((widths, lrs, seeds)))
     for name in ("ar", "seeds"):
         m.run_preset(name, dict(out_dir=str(tmp_path)))
@@ -1814,28 +1938,6 @@ def test_compiled_training_follows_the_eager_trajectory(arch, tmp_path, monkeypa
     assert drift < 1e-4, drift
 
 
-def test_shards_split_a_sweep_and_the_plain_command_only_summarises(tmp_path, capsys, monkeypatch):
-    argv = SMALL + ["--steps", "10", "--sweep", "--widths", "8,16", "--lrs", "1e-3,3e-3", "--seeds", "0,1",
-                   "--out_dir", str(tmp_path)]
-    trained = lambda: sorted(p.parent.name for p in tmp_path.glob("*/results.json"))
-    shards = []
-    for i in range(3):  # 8 runs over 3 shards: 3, 3 and 2 runs, none twice, and no summary yet
-        before = trained()
-        assert m.main(argv + ["--shard", f"{i}/3"]) == 0
-        shards.append(sorted(set(trained()) - set(before)))
-    assert [len(s) for s in shards] == [3, 3, 2] and len(trained()) == 8 and not (tmp_path / "summary.json").exists()
-    monkeypatch.setattr(m, "train_step", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    assert m.main(argv) == 0
-    assert len(json.loads((tmp_path / "summary.json").read_text())["rows"]) == 2
-    capsys.readouterr()
-    for bad in ("3/3", "x", "1/0", "-1/2", "0/2/3"):
-        with pytest.raises(SystemExit) as e:
-            m.main(argv + [f"--shard={bad}"])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and f"'{bad}' is not a shard" in err and len(err.strip().splitlines()) == 1
-    assert m.main(TINY + ["--shard", "0/2"]) == 2 and "--shard belongs to a sweep" in capsys.readouterr().err
-
-
 # --------------------------------------------------------------------------------------------- your own mixer
 
 def readme_section(title):
@@ -1927,7 +2029,7 @@ def test_a_mixer_that_breaks_the_contract_is_refused_in_one_sentence(monkeypatch
 @pytest.mark.parametrize("argv, words", [
     (["--lr", "-1e-3"], ["lr must be a positive number", "-0.001"]),           # not "expected one argument"
     (["--arch", "mamba", "--d_conv", "²"], ["d_conv=² is not a width for mamba"]),  # a digit to Python, not int()
-    (["--seed", str(2 ** 64)], ["seed must be an integer from 0 to 2**63 - 1", str(2 ** 64)]),
+    (["--seed", str(2 ** 64)], ["seed=18446744073709551616 is out of range: below 2**63"]),
     (["--sweep", "--d_model", "16"], ["--sweep sets each run's d_model", "leave out --d_model"]),
     (["--sweep", "--lr", "1e-2"], ["--sweep sets each run's lr"]),
     (["--sweep", "--run_name", "x"], ["--sweep sets each run's run_name"]),
@@ -2017,12 +2119,29 @@ def test_the_python_api_refuses_in_one_sentence(tmp_path):
     assert m.ARCHS["mamba"] is m.Mamba and "new" not in m.ARCHS
     task, model = m.make_task(cfg), m.build_model(cfg, m.make_task(cfg).vocab_size)
     other = m.make_task(m.replace(cfg, n_keys=40, n_values=40, run_name=""))
-    with pytest.raises(ValueError, match="is not of this model's task"):
-        m.mechanism(model, other)
+    smaller = m.make_task(m.replace(cfg, n_keys=4, n_values=4, run_name=""))  # every id inside the model's table
+    atr = m.make_task(m.Config(task="atr", n_train=64, n_eval=16, atr_setting="8192"))
+    for split, n in ((other.eval, 83), (smaller.eval, 11), (smaller.eval[:5], 11), (atr.eval, 8195)):
+        for call in (lambda: m.mechanism(model, m.replace(task, eval=split)), lambda: m.evaluate(model, split)):
+            with pytest.raises(ValueError, match=f"this split is of a task of {n} tokens, not of this model's 23"):
+                call()  # (a task of 23 tokens, ATR easy, is read as this one's: the model knows only its size)
     with pytest.raises(ValueError, match="unknown corrupt 'query'; allowed: key, value"):
         m.mechanism(model, task, corrupt="query")
-    with pytest.raises(ValueError, match="this split of 0 documents"):
+    with pytest.raises(ValueError, match="seed must be an integer from 0 to 2\\*\\*63 - 1, not 18446744073709551616"):
+        m.mechanism(model, task, seed=2 ** 64)
+    with pytest.raises(ValueError, match="this split holds no documents"):
         m.evaluate(model, task.eval[:0])
+    for size in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive integer, not {size}"):
+            m.evaluate(model, task.eval, batch_size=size)
+    for k, v, words in (("task", "xx", "unknown task 'xx'"), ("n_keys", 1, "need as many keys")):
+        with pytest.raises(m.ConfigError, match=words):  # a Config changed after it was made
+            m.make_task(_changed(cfg, k, v))
+        with pytest.raises(m.ConfigError, match=words):
+            m.build_model(_changed(cfg, k, v), 23)
+    for name in ("../x", "a/b", "", "x y"):
+        with pytest.raises(m.ConfigError, match="the name must be a plain name"):
+            m.register(name, lr=1e-3)
     m.train(cfg)
     run = os.path.join(cfg.out_dir, cfg.run_name)
     with pytest.raises(m.ConfigError, match="foo is not a setting of Config"):

@@ -166,10 +166,8 @@ def selective_scan_ref(x, delta, A, B, C, D):
 
 
 def selective_scan(x, delta, A, B, C, D):
-    """The same, one time step at a time on (B, E, N) slices: the decay, the input and the readout are
-    formed inside the loop, so no (B, L, E, N) tensor is ever built, in forward or in backward. The
-    loop walks unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero tensor per
-    step in backward)."""
+    """The same, a step at a time on (B, E, N) slices, so no (B, L, E, N) tensor is built, forward or backward. The
+    loop walks unbind() slices (indexing dA[:, t] makes autograd allocate a full-size zero tensor per step)."""
     s, ys = x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), []
     for d_t, dx_t, B_t, C_t in zip(delta.unbind(1), (delta * x).unbind(1), B.unbind(1), C.unbind(1)):
         s = torch.baddbmm(torch.exp(d_t[..., None] * A) * s, dx_t[..., None], B_t[:, None, :])  # + Δx ⊗ B

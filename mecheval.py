@@ -4,15 +4,15 @@ mecheval: mechanistic evaluation of Transformers and state space models, in one 
 A minimal PyTorch reimplementation of A. Arora, N. Rathi, N. Selvam, R. Csordás, D. Jurafsky, C. Potts,
 "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105). The paper trains tiny
 2-layer models on two recall tasks and asks not only *whether* they recall but *how*: by induction (the
-answer is stored at the value token) or by direct retrieval (computed at the query).
+key is carried onto its value token, where the query finds it) or by direct retrieval (at the query).
 
     python mecheval.py --arch based --task ar        # the paper's AR at d=64, then its mechanism
     python mecheval.py --load runs/ar_based_d64_l2_lr0.001_s0 --analyze    # re-evaluate a saved run
 
-Reading order: config -> tasks (AR, ATR) -> one whole model, attention its mixer -> training -> interchange
-interventions and the verdict (a first read may stop there) -> the other mixers, a catalogue -> machinery:
-validation, run folders, sweeps and presets, command line. kernels.py holds the fast
-forms of the expensive sequence operations, each beside its plain definition.
+Reading order: settings -> tasks (AR, ATR) -> one whole model, attention its mixer -> training -> interchange
+interventions and the verdict (a first read may stop there) -> the other mixers, a catalogue -> machinery: the
+Config, run folders, sweeps and presets, command line. kernels.py holds the fast forms of the expensive sequence
+operations, each beside its plain definition.
 
 Words: a document's named positions are key, value, next_key (the following pair's key), divider (the EOS
 before the query) and query; a site is an activation a hook reads or replaces (block_input, conv_output, ...);
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import kernels
 
 # ----------------------------------------------------------------------------------------------------
-# Config
+# Settings: the paper's. A run's Config (machinery) checks each, fills in lr=0 and steps=0, and names the run.
 
 PAD, BOS, EOS = 0, 1, 2   # special tokens shared by both tasks
 MAX_LEN = 1024            # longest document (the paper's l_max and position-table size)
@@ -62,8 +62,8 @@ def setting(default, help):
     return field(default=default, metadata={"help": help})
 
 
-@dataclass
-class Config:
+@dataclass(frozen=True)
+class Settings:
     # the task
     task: str = setting("ar", "task: ar (associative recall) or atr (associative treecall)")
     n_pairs: int = setting(16, "AR: key-value pairs per document (length 2P+5)")
@@ -80,10 +80,10 @@ class Config:
     d_model: int = setting(64, "model width d")
     n_layers: int = setting(2, "number of residual blocks")
     pos_emb: str = setting("auto", "learned absolute positions: auto (attention only, as the paper), on, off")
-    d_conv: str = setting("auto", "short-conv width (mamba, deltanet: 0 = none; based: or long); auto: the paper's")
+    d_conv: str = setting("auto", "short-conv width: N, 0 = none (mamba, deltanet), or long (based, base_conv)")
     # training, as the paper (AdamW, warm-up then cosine)
     lr: float = setting(0.0, "peak learning rate; 0 = the architecture's measured default")
-    beta2: float = setting(0.999, "AdamW's beta2: the paper's 0.999, or e.g. 0.95, common for language models")
+    beta2: float = setting(0.999, "AdamW's beta2: the paper's 0.999, or e.g. 0.95")
     steps: int = setting(0, "optimiser steps; 0 = the paper's schedule (AR 50,016, ATR 100,032)")
     batch_size: int = setting(32, "documents per step")
     warmup: float = setting(0.1, "fraction of the steps spent in linear warm-up")
@@ -95,26 +95,9 @@ class Config:
     analyze: bool = setting(True, "run the interchange-intervention grid after training, or with --load")
     analyze_every: int = setting(2000, "steps between checks of the mechanism in training (watch); 0 = none")
     corrupt: str = setting("key", "context token the analysis corrupts: key (the paper's) or value")
-    # where it runs and where results go
+    # where it runs
     device: str = setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     compile: bool = setting(False, "torch.compile the training step (CUDA graphs on CUDA)")
-    out_dir: str = setting("runs", "folder that holds the run folders")
-    run_name: str = setting("", "run folder name; empty = derived from the settings")
-
-    def __post_init__(self):
-        self.d_conv = str(self.d_conv) if type(self.d_conv) is int else self.d_conv  # d_conv=3: the width "3"
-        self.check()
-        for f in fields(self):  # numpy's numbers become Python's, which config.json can hold
-            setattr(self, f.name, f.type(getattr(self, f.name)) if f.type in (int, float) else getattr(self, f.name))
-        self.lr = self.lr or DEFAULT_LR[self.arch]
-        self.steps = self.steps or PAPER_STEPS[self.task]
-        self.run_name = self.run_name or default_run_name(self)
-        self._made = asdict(self)  # train refuses a Config changed after this
-
-    def check(self):  # a bad setting: one ConfigError sentence (config_errors, with the machinery)
-        bad = next((message for wrong, message in config_errors(self) if wrong), None)
-        if bad:
-            raise ConfigError(bad)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -160,7 +143,7 @@ class Task:
     test: Split = None       # ATR generalisation split: the test documents (queries on held-out pairs)
     query: str = "parent"    # ATR: the child's parent (parent, inner) or sibling (AR: parent)
 
-    def __post_init__(self):  # its splits know their vocabulary, so a model of another one refuses them
+    def __post_init__(self):  # its splits know their vocabulary
         for split in filter(None, (self.train, self.eval, self.test)):
             split.vocab_size = split.vocab_size or self.vocab_size
 
@@ -281,51 +264,46 @@ def make_atr_split(grammar, n, stream, allow=None, query="parent"):
         label     -    -   -   -   -    -   t1  -   -
         tree      t1 (position 4) heads t4 (1), t9 (2) and t4 (3)
 
-    The query repeats only the child's type, so the child must be the rightmost of its type (t9 at 2, t4 at 3,
-    not t4 at 1), the one occurrence the query then names:
-    a parent position is drawn uniformly among those with an eligible child, then one of its eligible
-    children. Named positions: key = the child in the sentence (2), value = its parent (4, always to the
-    right), next_key = key+1 (3), divider (5), query (6), answer (7). Sentences shorter than 3 tokens,
-    documents over MAX_LEN tokens and sentences without an eligible query are rejected and redrawn.
-    query="sibling" asks for the rightmost child of the same parent (tinylang's sibling query), which must be the
-    rightmost of its type too; the child itself where none lies right of it, and then value = -1 (no position).
-    query="inner" asks for the parent, but only of a child whose parent is not the root (the sentence's last token).
-    allow(answer_type, child_type) restricts the queried pairs (the generalisation split). Document i
-    draws from its own stream random.Random(f"{stream}/{i}"), so any document can be regenerated alone.
-    """
-    docs, at = [], []  # per document: key, value, next_key, divider, query, answer
+    The paper's query names a child by its type alone, so the child must be the rightmost of its type (t9 at 2,
+    t4 at 3, not t4 at 1), and asks for its parent: an answer position is drawn uniformly among those with such a
+    child, then one of its children. Named positions: key = the child in the sentence (2), value = its parent (4,
+    always to the right), next_key = key+1 (3), divider (5), query (6), answer (7). Sentences under 3 tokens or
+    over MAX_LEN - 5, or without a query, are redrawn. The variants: query="inner" asks for the parent only where
+    it is not the root (the sentence's last token); query="sibling" (App. D.4) for the rightmost child of the
+    same parent, itself the rightmost of its type (the child itself if none lies right of it: value = -1).
+    allow(answer type, child type) restricts the queries (the generalisation split). Document i draws from its
+    own stream random.Random(f"{stream}/{i}"), so any document can be regenerated alone."""
+    docs, positions = [], []  # per document: key, value, next_key, divider, query, answer
     for i in range(n):
         rng = random.Random(f"{stream}/{i}")
         for _ in range(100_000):  # bounded: a rejection loop must end
-            s = grammar.sample(rng, MAX_LEN - 5)
-            if s is None or len(s[0]) < 3:
+            sentence = grammar.sample(rng, MAX_LEN - 5)
+            if sentence is None or len(sentence[0]) < 3:
                 continue
-            tokens, parents = s
-            rightmost = {t: j for j, t in enumerate(tokens)}  # terminal type -> its last position
-            last = {q: j for j, q in enumerate(parents)}  # parent (-1: the root's) -> its rightmost child
-            answer = {c: last[parents[c]] if query == "sibling" else parents[c] for c in rightmost.values()}
-            by_answer = {}  # the answer's position -> the children that may be queried for it
-            for c, a in sorted(answer.items()):  # sibling: the answer is the rightmost of its type; inner: not the root
-                ok = rightmost[tokens[a]] == a if query == "sibling" else query == "parent" or parents[a] >= 0
-                if a >= 0 and ok and (allow is None or allow(tokens[a], tokens[c])):
-                    by_answer.setdefault(a, []).append(c)
-            if by_answer:
+            tokens, parents = sentence
+            rightmost = {t: j for j, t in enumerate(tokens)}  # each type's last position: a child a query can name
+            last_child = {p: j for j, p in enumerate(parents)}  # each parent's (-1: the root's) rightmost child
+            offers = {}  # answer position -> the children that may be queried for it
+            for child in sorted(rightmost.values()):
+                answer = last_child[parents[child]] if query == "sibling" else parents[child]
+                ok = {"parent": True, "inner": parents[answer] >= 0, "sibling": rightmost[tokens[answer]] == answer}
+                if answer >= 0 and ok[query] and (allow is None or allow(tokens[answer], tokens[child])):
+                    offers.setdefault(answer, []).append(child)
+            if offers:
                 break
         else:
             raise ConfigError(f"100,000 sentences in a row had no query allowed in stream {stream}; with "
                               f"atr_split=gen, choose an atr_heldout that holds out some pairs but not nearly all")
-        a = rng.choice(sorted(by_answer))
-        c = rng.choice(by_answer[a])
-        n_tok = len(tokens)
-        docs.append([BOS] + [t + 3 for t in tokens] + [EOS, tokens[c] + 3, tokens[a] + 3, EOS])
-        at.append((1 + c, 1 + a if a != c else -1, 2 + c, n_tok + 1, n_tok + 2, n_tok + 3))
-    return make_split(docs, dict(zip(("key", "value", "next_key", "divider", "query", "answer"), zip(*at))))
+        answer = rng.choice(sorted(offers))  # uniform over answers, then children
+        child, L = rng.choice(offers[answer]), len(tokens)
+        docs.append([BOS] + [t + 3 for t in tokens] + [EOS, tokens[child] + 3, tokens[answer] + 3, EOS])
+        positions.append((1 + child, 1 + answer if answer != child else -1, 2 + child, L + 1, L + 2, L + 3))
+    return make_split(docs, dict(zip(("key", "value", "next_key", "divider", "query", "answer"), zip(*positions))))
 
 
 def make_task(cfg, train=True):
     """The task of cfg, deterministic per cfg.seed. Grammar, training and evaluation data have separate
     streams, so the evaluation split does not depend on n_train (train=False skips the training split)."""
-    cfg.check()  # a Config changed after it was made
     if cfg.task == "ar":
         K, V = cfg.n_keys, cfg.n_values
         rng = lambda stream: np.random.default_rng([cfg.seed, stream])
@@ -357,10 +335,10 @@ def make_task(cfg, train=True):
 
 def register(name, lr):
     """Make Mixer, a class (or a function of cfg, layer_idx), `--arch name` with lr its default rate. The
-    contract, checked on every mixer built (check_mixer): Mixer(cfg, layer_idx) is the nn.Module of block
+    contract, checked when a Config names the mixer: Mixer(cfg, layer_idx) is the nn.Module of block
     layer_idx (cfg.d_model = d); its forward maps the normed stream (B, L, d) to (B, L, d), causally (output t
     reads input up to t). Mark its output projection with writes_residual; build a short conv as a ShortConv."""
-    why = ("the name must be a plain name: letters, digits and _" if not str(name).isidentifier() else
+    why = ("the name must be a Python identifier" if not str(name).isidentifier() else
            "that arch is registered already" if name in ARCHS else
            "the default learning rate must be a positive number" if isinstance(lr, bool) or not (
                isinstance(lr, numbers.Real) and 0 < lr < math.inf) else None)
@@ -431,7 +409,7 @@ class Block(nn.Module):
         super().__init__()
         d, mixer_cls = cfg.d_model, ARCHS[cfg.arch]
         self.norm1 = getattr(mixer_cls, "norm", nn.LayerNorm)(d)
-        self.mixer = check_mixer(mixer_cls(cfg, layer_idx), cfg)
+        self.mixer = mixer_cls(cfg, layer_idx)
         self.norm2, self.mlp = (nn.LayerNorm(d), MLP(d)) if getattr(mixer_cls, "mlp", True) else (None, None)
 
     @property
@@ -483,7 +461,6 @@ def zoology_init(model, n_layers):
 def build_model(cfg, vocab_size):
     """The model of cfg, initialised from cfg.seed (the global torch RNG is left as it was) by zoology_init, or by
     the mixer class's own init_weights (Mamba's)."""
-    cfg.check()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LanguageModel(cfg, vocab_size)
@@ -547,11 +524,6 @@ def setup(cfg):
     return device
 
 
-def adamw(model, lr, beta2=0.999):
-    """The paper's optimiser: AdamW (0.9, 0.999), no weight decay; one fused update for all parameters."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=0.0, fused=True)
-
-
 def answer_loss(model, ids, query, answer):
     return F.cross_entropy(answer_logits(model, ids, query), answer)
 
@@ -583,7 +555,7 @@ def lr_factor(step, warmup_steps, total_steps):
 class Batches:
     """Epochs over the training documents, each a fresh permutation from the run's generator, or with fixed=True
     the stored order, as tinylang's experiment.py (batch k: documents [kB, kB+B)); the last partial batch is
-    dropped. next(): the batch's indices (kept on the device, so the CPU never waits) and its trimmed length."""
+    dropped. next(): the batch's indices (on the device) and its trimmed length."""
 
     def __init__(self, lengths, batch_size, seed, device="cpu", compile=False, fixed=False):
         self.lengths, self.batch_size, self.device = lengths, batch_size, device
@@ -611,36 +583,52 @@ class Batches:
         self.set_order(state["order"], state["cursor"])
 
 
-def train(cfg, log=print):
-    """Train the model of cfg as the paper and return its results. The rest is a Run's (with the machinery): begin
-    makes the folder and restores a checkpoint; evaluated, at each evaluation, stops on a NaN loss, keeps the history
-    and a checkpoint, prints the progress line, checks the mechanism; end evaluates and saves the weights."""
-    run = Run(cfg, log)  # the run folder, out_dir/run_name: refused if it holds other settings
-    if run.finished:     # not trained again: its results as they are
-        return run.results
+def fmt_time(s):
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def fit(cfg, run, log=print):
+    """Train the model of cfg as the paper, then read how it recalls; returns the results. `run` keeps the run's
+    folder (a Run, which train makes): begin restores a checkpoint and returns the steps it has done, checkpoint
+    writes each evaluation (status "running"), end the final weights ("trained"), save the status: "nonfinite"
+    (model.pt keeps the last checkpoint; a rerun refuses) or, with the grid, "completed"."""
     device = setup(cfg)
     task = make_task(cfg)
     model = build_model(cfg, task.vocab_size).to(device)
-    optimizer = adamw(model, cfg.lr, cfg.beta2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=0, fused=True)
     warmup_steps = int(cfg.warmup * cfg.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, cfg.steps))
     batches = Batches(task.train.lengths, cfg.batch_size, cfg.seed, device, cfg.compile, cfg.batch_order == "fixed")
-    first = run.begin(task, model, optimizer, schedule, batches)  # 1, or the step after its checkpoint
+    done = run.begin(task, model, optimizer, schedule, batches)  # steps done: 0, or its checkpoint's
     ids, query, answer = (t.to(device) for t in (task.train.input_ids, task.train.pos["query"], task.train.answers))
-    loss_fn, loss_sum = step_loss(cfg.compile, device), torch.zeros((), device=device)
-    for step in range(first, cfg.steps + 1):
+    loss_fn, loss_sum, ev = step_loss(cfg.compile, device), torch.zeros((), device=device), None
+    for step in range(done + 1, cfg.steps + 1):
         idx, L = batches.next()  # B documents, their padding trimmed to the longest
         loss_sum += train_step(model, optimizer, ids[idx, :L], query[idx], answer[idx], loss_fn).detach()
         schedule.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            ev = evaluate(model, task.eval)
-            run.evaluated(step, loss_sum, ev)
+            ev, loss = evaluate(model, task.eval), (loss_sum / (step - done)).item()
+            if not (math.isfinite(loss) and math.isfinite(ev["p_answer"])):  # diverged: stop at the last checkpoint
+                run.save("nonfinite")
+                kept = done and f"{run.path('model.pt')} keeps the checkpoint of step {done}"
+                raise NonFiniteLoss(f"the training loss became {loss}, p(answer) {ev['p_answer']}, between steps "
+                                    f"{done + 1} and {step} (lr={cfg.lr:g}); {kept or 'no checkpoint was kept'}")
+            h = {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer": round(ev["p_answer"], 5),
+                 "lr": schedule.get_last_lr()[0]}
+            if cfg.analyze_every and step // cfg.analyze_every > done // cfg.analyze_every:  # the mechanism forming
+                h.update(watch(model, task, cfg))
+            per_step = run.checkpoint(h, ev)  # history, results.json, model.pt; seconds a step
+            watched = "verdict" in h and f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}"
+            log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f}"
+                f" | {1000 * per_step:.2f} ms/step | eta {fmt_time(per_step * (cfg.steps - step))}{watched or ''}")
             loss_sum.zero_()
+            done = step
             if 0 < cfg.target_acc <= ev["acc"]:  # the early stop
                 break
-    results = run.end()  # the final evaluation and the weights, saved
-    analyze(model, task, cfg, results, log, intervene=cfg.analyze)  # how it recalls: grid, verdict (below)
-    return run.save(results["ended"])  # finished: with the grid
+    ev = ev or evaluate(model, task.eval)  # the final evaluation (anew if resumed at the end)
+    results = run.end(ev)  # the final weights: the run is "trained" until its grid is added
+    analyze(model, task, cfg, results, log, intervene=cfg.analyze)  # the grid and its verdict (below)
+    return run.save(results["ended"])  # finished
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -689,8 +677,7 @@ def model_sites(model, sites=SITES):
 def hooks(model, edits, sites=SITES):
     """Run the model with edits = {(site, layer): fn}: fn(x) gets the activation x (B, L, channels), the module's first
     positional input or its output (a tuple's first element), and returns its replacement, or None. Every other
-    argument and element passes through. A site that does not run raises ValueError; the hooks
-    go on exit, even on error."""
+    argument and element passes through. A site that does not run raises ValueError; the hooks go on exit."""
     handles, ran = [], set()
 
     def edit(key, fn, x, what):  # x: the module's positional arguments, or its output
@@ -839,11 +826,16 @@ def mechanism(model, task, corrupt="key", seed=0, split=None, cells=None, sites=
     result = {"corrupt": corrupt, "query": getattr(task, "query", "parent"), "n_docs": len(clean),
               "p_clean": p_clean.mean().item(), "p_corrupt": p_corrupt.mean().item(), "acc_corrupt": acc_corrupt,
               "n_layers": len(layers), "grid": grid, "forwards": 2 + len(grid), "seconds": round(time.time() - t0, 3)}
-    try:
-        result["verdict"] = verdict(result)
-    except KeyError:  # `cells` without those the verdict reads
-        result["verdict"] = None
+    read = {(g["site"], g["layer"], g["position"]) for g in grid} >= set(verdict_cells(len(layers)))
+    result["verdict"] = verdict(result) if read else None  # None: `cells` lack what the verdict reads
     return result
+
+
+def verdict_cells(n_layers):
+    """The cells verdict reads: each layer's block_output at the query; from layer 1 on, block_input at each position
+    of ROUTE and at the query."""
+    return [("block_output", l, "query") for l in range(n_layers)] + [
+        ("block_input", l, k) for l in range(1, n_layers) for k in (*ROUTE, "query")]
 
 
 # the route that a high attribution at each position of the retrieving layer's input means
@@ -854,7 +846,7 @@ def verdict(mech, threshold=0.5):
     """The paper's reading of the grid. The question is where layer 1 finds what it needs: the last layer's input
     (block_input) patched at one position brings p(answer) back only if that position's residual stream carries it.
 
-    Two layers, the paper's models:
+    Two layers, the paper's models (layer-0 block_output is layer-1 block_input, the same tensor):
         layer-0 block_output at the query >= 0.5   direct retrieval in layer 0 (the answer is made at the query)
         else the highest of layer-1 block_input at value, key, next key (query is shown, not ranked):
           value >= 0.5     induction: layer 0 copied the key onto the value token, where layer 1 matches the query
@@ -871,21 +863,21 @@ def verdict(mech, threshold=0.5):
     Sibling queries are not read: two thirds of the children answer themselves, with no value position."""
     unread = ("sibling queries" if mech.get("query") == "sibling" else
               "value corrupted" if mech.get("corrupt", "key") != "key" else None)
-    if unread:
-        return {"kind": f"not read ({unread})", "layer": None, "reads": {}}
-    gap = mech["p_clean"] - mech["p_corrupt"]
-    if gap <= 0.01:  # the corruption does not hurt this model: attributions would be noise
-        return {"kind": "no verdict", "layer": None, "reads": {"p_clean - p_corrupt": gap}}
-    attr = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
-    n = mech["n_layers"]
-    layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # retrieves
-    if layer == 0:
-        return {"kind": "direct retrieval", "layer": 0, "reads": {"query": attr["block_output", 0, "query"]}}
-    reads = {k: attr["block_input", layer, k] for k in ("value", "key", "next_key", "query")}
-    first, second = sorted(ROUTE, key=reads.get, reverse=True)[:2]
-    top, next_ = round(reads[first], 2), round(reads[second], 2)  # a tie as printed
-    kind = ROUTE[first] if reads[first] >= threshold and top > next_ else "mixed"
-    return {"kind": kind, "layer": layer, "reads": reads}
+    gap, layer = mech["p_clean"] - mech["p_corrupt"], None
+    if unread or gap <= 0.01:  # not read, or the corruption does not hurt this model: attributions would be noise
+        kind, reads = (f"not read ({unread})", {}) if unread else ("no verdict", {"p_clean - p_corrupt": gap})
+    else:
+        attr = {(g["site"], g["layer"], g["position"]): g["attribution"] or 0.0 for g in mech["grid"]}
+        n = mech["n_layers"]
+        layer = next((l for l in range(n) if attr["block_output", l, "query"] >= threshold), n - 1)  # retrieves
+        kind, reads = "direct retrieval", {"query": attr["block_output", 0, "query"]}
+        if layer > 0:  # where did its input carry the answer?
+            reads = {k: attr["block_input", layer, k] for k in ("value", "key", "next_key", "query")}
+            first, second = sorted(ROUTE, key=reads.get, reverse=True)[:2]
+            top, next_ = round(reads[first], 2), round(reads[second], 2)  # a tie as printed
+            kind = ROUTE[first] if reads[first] >= threshold and top > next_ else "mixed"
+    name = kind.replace("retrieval", f"retrieval in layer {layer}") if kind.startswith("direct") else kind
+    return {"kind": kind, "layer": layer, "name": name, "reads": reads}
 
 
 def verdict_text(v, numbers=True):
@@ -893,7 +885,8 @@ def verdict_text(v, numbers=True):
     if v is None or not v["reads"]:
         return "-" if v is None else v["kind"]
     kind, r = v["kind"], v["layer"]
-    name = kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct") else kind
+    name = v.get("name") or (kind.replace("retrieval", f"retrieval in layer {r}") if kind.startswith("direct")
+                             else kind)  # results.json of earlier versions hold no name
     if not numbers:
         return name
     where = {None: "the corruption does not hurt this model, so attributions would be noise:",
@@ -931,12 +924,23 @@ def analyze(model, task, cfg, results, log=print, intervene=True):
     return results
 
 
+def watch(model, task, cfg):
+    """The mechanism as it forms (at the first evaluation from each multiple of analyze_every): the verdict from the
+    cells it reads (6 at 2 layers), the gap p_clean - p_corrupt, and the accuracy on n_eval training documents."""
+    mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=verdict_cells(len(model.blocks)))
+    return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
+            "verdict": mech["verdict"]}
+
+
 # ----------------------------------------------------------------------------------------------------
 # The other mixers, a catalogue: each with its paper, equation and original code, registered as Attention is.
 # The paper's successes first (Based, Mamba, DeltaNet), then BaseConv, Hyena and H3, which fail AR. Skip H3 and
 # its kernel on a first read: the hardest code here, for the paper's weakest model.
 
 def conv_width(cfg, default):
+    """--d_conv, the short convolution's width, in one place: auto keeps the mixer's default (the paper's: Mamba
+    and DeltaNet 4, Based 3 in its even layers, BaseConv 3 even and long odd), 0 drops it (Mamba, DeltaNet), long
+    makes it BaseConv's long implicit one (Based, BaseConv); else 1-1024. Hyena's width-3 one is fixed."""
     return default if cfg.d_conv == "auto" else cfg.d_conv if cfg.d_conv == "long" else int(cfg.d_conv)
 
 
@@ -991,7 +995,7 @@ class BasedAttention(nn.Module):
 
 @register("based", lr=1e-3)
 def based(cfg, layer_idx):
-    """Based = zoology's Hybrid: BaseConv with a short conv (width 3, --d_conv 1-4 or long) in even
+    """Based = zoology's Hybrid: BaseConv with a short conv (width 3: conv_width) in even
     layers, Taylor linear attention in odd layers. A 1-layer Based model is therefore only a BaseConv."""
     return BaseConv(cfg.d_model, conv_width(cfg, 3)) if layer_idx % 2 == 0 else BasedAttention(cfg.d_model)
 
@@ -1077,7 +1081,7 @@ class DeltaNet(nn.Module):
     """DeltaNet (Schlag et al. 2021; Yang et al. 2024; fla layers/delta_net.py, DeltaNet), one head:
         q, k, v = SiLU(ShortConv4(x W_{q,k,v}ᵀ)) (no conv bias);  q, k L2-normalised;  β = σ(x W_βᵀ)
         S_t = S_{t-1} + k_t β_t (v_t - S_{t-1}ᵀ k_t)ᵀ;  o_t = S_tᵀ q_t / √d;  out = RMSNorm(o) W_oᵀ
-    fp32 throughout (fla's kernel runs bf16). --d_conv sets the short-conv width (0 = none)."""
+    fp32 throughout (fla's kernel runs bf16). --d_conv: conv_width."""
 
     def __init__(self, cfg, layer_idx):
         super().__init__()
@@ -1102,7 +1106,7 @@ class DeltaNet(nn.Module):
 @register("base_conv", lr=3e-3)
 def base_conv(cfg, layer_idx):
     """BaseConv with zoology's kernel_size=[3, -1, 3, -1]: short (width 3) in even layers, implicit long in
-    odd ones. --d_conv K (1-4) or long makes every layer that kind, as the paper's ablation override.
+    odd ones. --d_conv (conv_width) makes every layer that kind, as the paper's ablation override.
     Deviation: zoology's list raises past 4 layers; here the alternation continues for any depth."""
     return BaseConv(cfg.d_model, conv_width(cfg, 3 if layer_idx % 2 == 0 else "long"))
 
@@ -1113,7 +1117,7 @@ class Hyena(nn.Module):
         [x1 | x2 | v] = ShortConv3(u W_inᵀ + b);  y = x2 ⊙ (h * (x1 ⊙ v));  out = y W_outᵀ + b
     The long filter h[c, n] = MLP(z_n)[c] · exp(-t_n |δ_c|) comes from a Sin-activated MLP of width 64
     whose frequency ω is shared by its three Sin layers, over trainable positional features z. The skip
-    term D exists but is multiplied by 0 (tinylang passes bias=False), so the output starts near 0."""
+    term D exists but is multiplied by 0 (tinylang passes bias=False)."""
 
     def __init__(self, cfg, layer_idx, order=64, l_max=MAX_LEN):
         super().__init__()
@@ -1150,7 +1154,8 @@ class H3(nn.Module):
         y_h = q_hᵀ ŷ_h;  out = y W_oᵀ + b_o        output channels ordered (j, h) as in zoology
     K_h[t] = 2 Re Σ_n C̃_n λ_n^t over N/2 conjugate-pair modes, S4D's bilinear discretisation (kernels.py):
     λ = (1 + ΔA/2) / (1 - ΔA/2), C̃ = C B Δ / (1 - ΔA/2), A_n = -exp(inv_A_real) + i A_imag, Δ = exp(log_dt);
-    complex parameters are stored as real (..., 2) pairs, as in zoology."""
+    complex parameters are stored as real (..., 2) pairs, as in zoology. The shift SSM is a learned causal filter
+    of up to N taps on k, no ShortConv: H3 has no conv_output site."""
 
     def __init__(self, cfg, layer_idx, d_state=1024, head_dim=2):
         super().__init__()
@@ -1196,6 +1201,26 @@ class H3(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # The rest is machinery: validation, run folders and resume, sweeps and presets, command line.
 
+@dataclass(frozen=True)
+class Config(Settings):
+    """Settings, and where the run goes; made, it checks each value and mixer and fills in the defaults."""
+    out_dir: str = setting("runs", "folder that holds the run folders")
+    run_name: str = setting("", "run folder name; empty = derived from the settings")
+
+    def __post_init__(self):
+        put = functools.partial(object.__setattr__, self)  # frozen: filled in only here
+        put("d_conv", str(self.d_conv) if type(self.d_conv) is int else self.d_conv)  # d_conv=3 is "3"
+        bad = next((message for wrong, message in config_errors(self) if wrong), None)
+        if bad:
+            raise ConfigError(bad)
+        for f in fields(self):  # numpy's numbers become Python's (JSON's)
+            put(f.name, f.type(getattr(self, f.name)) if f.type in (int, float) else getattr(self, f.name))
+        put("lr", self.lr or DEFAULT_LR[self.arch])
+        put("steps", self.steps or PAPER_STEPS[self.task])
+        put("run_name", self.run_name or default_run_name(self))
+        check_mixers(self)
+
+
 def config_errors(c):
     """(is it wrong, what to say) for the settings of Config c, checked in this order."""
     kinds = {int: (numbers.Integral, "an integer"), float: (numbers.Real, "a number"), str: (str, "a string"),
@@ -1221,11 +1246,11 @@ def config_errors(c):
     yield not (c.d_conv in ("auto", "long" if w else "auto") or digits and w <= int(c.d_conv) <= MAX_LEN), \
         f"d_conv={c.d_conv} is not a width for {c.arch}; allowed: {w} to {MAX_LEN}" + ", or long" * w
     yield c.run_name in (".", "..") or os.path.basename(c.run_name) != c.run_name, \
-        f"run_name '{c.run_name}' must be one folder name inside out_dir, without '/' or '..'"
+        f"run_name '{c.run_name}' must be one folder name, without '/' or '..'"
     for name in ("d_model", "n_layers", "batch_size", "eval_every", "n_pairs", "n_keys", "n_values", "n_train",
                  "n_eval"):
         yield getattr(c, name) <= 0, f"{name} must be a positive integer, not {getattr(c, name)}"
-    yield c.analyze_every < 0, f"analyze_every must be 0 (no checks) or a number of steps, not {c.analyze_every}"
+    yield c.analyze_every < 0, f"analyze_every must be 0 (none) or more, not {c.analyze_every}"
     yield c.analyze_every not in (0, default["analyze_every"]) and c.analyze_every % c.eval_every, (
         f"analyze_every={c.analyze_every} is not a multiple of eval_every={c.eval_every}: it checks at evaluations")
     yield not 0 <= c.seed < 2 ** 63, f"seed must be an integer from 0 to 2**63 - 1, not {c.seed}"
@@ -1233,12 +1258,12 @@ def config_errors(c):
     yield not (math.isfinite(c.lr) and c.lr >= 0), f"lr must be a positive number (or 0 for the default), not {c.lr}"
     yield not 0 <= c.warmup < 1, f"warmup is a fraction of the steps in [0, 1), not {c.warmup}"
     yield not 0 <= c.beta2 < 1, f"beta2 is AdamW's second-moment decay in [0, 1), not {c.beta2}"
-    yield not 0 <= c.target_acc <= 1, f"target_acc must lie in [0, 1] (0 disables early stopping), not {c.target_acc}"
+    yield not 0 <= c.target_acc <= 1, f"target_acc must lie in [0, 1], not {c.target_acc}"
     yield not 0 < c.atr_heldout < 1, f"atr_heldout is a fraction in (0, 1), not {c.atr_heldout}"
     ar, P, K, V = c.task == "ar", c.n_pairs, c.n_keys, c.n_values
     yield ar and P > min(K, V), f"n_pairs={P} distinct pairs need as many keys and values, not n_keys={K}, n_values={V}"
     yield ar and 2 * P + 5 > MAX_LEN, f"n_pairs={P} makes documents over {MAX_LEN} tokens; at most {MAX_LEN // 2 - 3}"
-    yield ar and min(K, V) < 2, f"n_keys={K} and n_values={V} must be at least 2 (the analysis swaps one for another)"
+    yield ar and min(K, V) < 2, f"n_keys={K} and n_values={V} must be at least 2 (a corrupted key is another)"
     yield ar and K + V > 10 ** 7, f"n_keys={K} and n_values={V} make {K + V:,} tokens; at most 10,000,000"
     yield c.arch == "h3" and c.d_model % 2, f"h3 splits d_model into heads of 2 channels; d_model={c.d_model} is odd"
     for name in ("atr_setting", "atr_split", "atr_query") if ar else ("n_pairs", "n_keys", "n_values"):  # ignored
@@ -1254,39 +1279,35 @@ def config_errors(c):
     yield c.batch_size > c.n_train, f"batch_size={c.batch_size} is larger than the training set (n_train={c.n_train})"
 
 
-def check_mixer(mixer, cfg):
-    """register's contract, else one ConfigError: row t of a batch keeps u up to t, the rest drawn anew, and
-    its outputs up to t must equal u's (every t of 32 positions, and t = 0 of MAX_LEN), in u's shape."""
-    for L, cuts in ((32, torch.arange(32)), (MAX_LEN, torch.zeros(1, dtype=torch.long))):
-        u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
-        keep = torch.arange(L)[None, :, None] <= cuts[:, None, None]  # row i keeps 0..cuts[i]
-        with torch.no_grad():
-            y = mixer(torch.cat([u, torch.where(keep, u, other)]))  # (1 + rows, L, d)
-        shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (len(cuts) + 1, L, cfg.d_model)
-        leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand_as(y[1:]), rtol=1e-4,  # FFT roundoff
-                                                        atol=1e-5 * y.abs().max().item()).all(-1)
-                                         & keep[..., 0]).nonzero().tolist()  # [i, s]: row i moved s
-        if shape != want or leak:
-            broken = f"returned {shape} for an input of shape {want}" if shape != want else (
-                f"is not causal: its output at position {leak[0][1]} changed with its input after position "
-                f"{cuts[leak[0][0]]}")
-            raise ConfigError(f"mixer '{cfg.arch}' {broken}; a mixer maps (B, L, d) to (B, L, d), causally")
-    return mixer
+CHECKED = set()  # (mixer, d, layers, d_conv) checked
 
 
-def watch(model, task, cfg):
-    """The mechanism as it forms (at the first evaluation from each multiple of analyze_every): the verdict from the
-    cells it reads (6 at 2 layers), the gap p_clean - p_corrupt, and the accuracy on n_eval training documents."""
-    n = len(model.blocks)
-    cells = [("block_output", l, "query") for l in range(n)]
-    cells += [("block_input", l, k) for l in range(1, n) for k in (*ROUTE, "query")]
-    mech = mechanism(model, task, cfg.corrupt, cfg.seed, cells=cells)
-    return {"train_acc": evaluate(model, task.train[:cfg.n_eval])["acc"], "gap": mech["p_clean"] - mech["p_corrupt"],
-            "verdict": mech["verdict"]}
+def check_mixers(cfg):
+    """register's contract on cfg's mixers of layers 0 and 1 (once per shape), else a ConfigError: row t of a batch
+    keeps u up to t, the rest new; outputs to t equal u's (t < 32, t = 0 of MAX_LEN), in u's shape."""
+    key = (ARCHS[cfg.arch], cfg.d_model, cfg.n_layers, cfg.d_conv)
+    for layer_idx in range(min(2, cfg.n_layers)) if key not in CHECKED else ():
+        with torch.random.fork_rng(devices=[]):
+            mixer = ARCHS[cfg.arch](cfg, layer_idx)
+        for L, cuts in ((32, torch.arange(32)), (MAX_LEN, torch.zeros(1, dtype=torch.long))):
+            u, other = torch.randn(2, 1, L, cfg.d_model, generator=torch.Generator().manual_seed(0))
+            keep = torch.arange(L)[None, :, None] <= cuts[:, None, None]  # row i keeps 0..cuts[i]
+            with torch.no_grad():
+                y = mixer(torch.cat([u, torch.where(keep, u, other)]))
+            shape, want = tuple(getattr(y, "shape", ())) or type(y).__name__, (len(cuts) + 1, L, cfg.d_model)
+            leak = [] if shape != want else (~torch.isclose(y[1:], y[:1].expand_as(y[1:]), rtol=1e-4,  # FFT roundoff
+                                                            atol=1e-5 * y.abs().max().item()).all(-1)
+                                             & keep[..., 0]).nonzero().tolist()  # [i, s]: row i moved s
+            if shape != want or leak:
+                broken = f"returned {shape} for an input of shape {want}" if shape != want else (
+                    f"is not causal: its output at position {leak[0][1]} changed with its input after position "
+                    f"{cuts[leak[0][0]]}")
+                raise ConfigError(f"mixer '{cfg.arch}' {broken}; a mixer maps (B, L, d) to (B, L, d), causally")
+    CHECKED.add(key)
 
 
 def save_file(path, obj):
-    """obj into path (JSON, text, or torch.save) by a temporary file and a rename: a failed write loses nothing."""
+    """obj into path (JSON, text or torch.save) by a temporary file and a rename: a failed write loses nothing."""
     tmp = path + ".tmp"
     try:
         if path.endswith((".json", ".md")):
@@ -1303,7 +1324,7 @@ def save_file(path, obj):
 
 
 def load_file(path, need=("config",)):
-    """The dict a file of this tool holds, with the keys `need`; anything else is one ConfigError, and is kept."""
+    """The dict a file of this tool holds, with the keys `need`, else one ConfigError."""
     try:
         if path.endswith(".json"):
             with open(path) as f:
@@ -1325,8 +1346,8 @@ FILES = {"config.json": ("task", "arch"), "results.json": ("config", "status", "
 
 
 def run_files(run_dir, cfg=None):
-    """(cfg, {name: content}) of a run folder's FILES, each this tool's, of cfg's settings (None: model.pt's, for
-    --load) and, when training, none without one written before it; else one ConfigError, nothing changed."""
+    """(cfg, {name: content}) of a folder's FILES, each this tool's, of cfg's settings (None: model.pt's, for --load)
+    and, when training, none without one written before it; else one ConfigError."""
     at = lambda name: os.path.join(run_dir, name)
     got = {name: load_file(at(name), need) for name, need in FILES.items() if os.path.exists(at(name))}
     if cfg is None and "model.pt" not in got:
@@ -1345,10 +1366,6 @@ def run_files(run_dir, cfg=None):
     return cfg, got
 
 
-def fmt_time(s):
-    return f"{s / 3600:.1f}h" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
-
-
 def default_run_name(cfg):
     """The run folder's name when none is given: the settings a sweep or preset varies."""
     extra = f"_{cfg.atr_setting}" + ("" if cfg.atr_split == "iid" else f"_{cfg.atr_split}") if cfg.task == "atr" else ""
@@ -1359,11 +1376,10 @@ def default_run_name(cfg):
 
 
 def same_settings(config, cfg, where, fix=None):
-    """Refuse a saved config that differs from cfg in a setting of the run (not out_dir, device, compile); a
-    setting an older folder lacks counts as its default."""
-    old = {f.name: config.get(f.name, f.default) for f in fields(Config)}
-    k = next((f.name for f in fields(Config) if f.name not in ("out_dir", "device", "compile")
-              and old[f.name] != getattr(cfg, f.name)), None)
+    """Refuse a saved config that differs from cfg in one of the Settings (one an older folder lacks counts as its
+    default); where it runs and its folder's name may differ."""
+    old = {f.name: config.get(f.name, f.default) for f in fields(Settings) if f.name not in ("device", "compile")}
+    k = next((k for k in old if old[k] != getattr(cfg, k)), None)
     if k is not None:
         held = f"{k}={old[k]}" if k in config else f"no {k} (the default, {old[k]})"
         raise ConfigError(f"{where} holds a run with {held}, not {k}={getattr(cfg, k)}; "
@@ -1371,23 +1387,18 @@ def same_settings(config, cfg, where, fix=None):
 
 
 class Run:
-    """A training run's folder, out_dir/run_name: config.json, results.json and model.pt (a checkpoint at every
-    evaluation, then the final weights). A finished run is returned as it is, a cut one continues bit for bit."""
+    """A run's folder, out_dir/run_name: config.json, results.json and model.pt (a checkpoint at each evaluation,
+    then the final weights); a cut run continues bit for bit."""
 
     def __init__(self, cfg, log=print):
-        k = next((k for k, v in asdict(cfg).items() if v != cfg._made[k]), None)
-        if k:
-            raise ConfigError(f"{k} was changed after the Config was made; make a new Config")
-        self.cfg, self.log, self.dir, self.t0 = cfg, log, os.path.join(cfg.out_dir, cfg.run_name), time.time()
+        self.cfg, self.log, self.dir = cfg, log, os.path.join(cfg.out_dir, cfg.run_name)
         log("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
         _, self.files = run_files(self.dir, cfg)
-        self.results, self.ckpt, self.ev = self.files.get("results.json", {}), self.files.get("model.pt"), None
+        self.results, self.ckpt = self.files.get("results.json", {}), self.files.get("model.pt")
         self.finished = (status := self.results.get("status")) in ("completed", "target reached")
-        if status == "trained" and not os.path.exists(self.path("model.pt")):
-            raise ConfigError(f"{self.dir} is trained but has no model.pt; move the folder away")
         if status == "nonfinite":
             raise NonFiniteLoss(f"{self.dir} stopped on a non-finite loss after step {self.results['steps_done']} "
-                                f"(lr={cfg.lr:g}); train another --lr, or move the folder away to start over")
+                                f"(lr={cfg.lr:g}); train another --lr, or move the folder away")
         if self.finished:
             log(f"{self.dir} finished ({status}) at step {self.results['steps_done']}; these are its results")
         elif self.ckpt is not None and "optimizer" not in self.ckpt and status != "trained":
@@ -1397,11 +1408,11 @@ class Run:
         return os.path.join(self.dir, name)
 
     def begin(self, task, model, optimizer, scheduler, batches):
-        """Before the loop: the folder, config.json, the checkpoint (or a trained run's weights); the first step."""
+        """Before the loop: the folder, config.json and the checkpoint (or final weights); the steps done."""
         cfg, n_params, device = self.cfg, sum(p.numel() for p in model.parameters()), next(model.parameters()).device
         trained, saved = self.ckpt is not None and "optimizer" not in self.ckpt, self.results
         self.log(f"task {cfg.task}: {len(task.train):,} training and {len(task.eval):,} evaluation documents, "
-                 f"{task.vocab_size:,} tokens, built in {time.time() - self.t0:.1f}s")
+                 f"{task.vocab_size:,} tokens")
         self.log(f"model {cfg.arch}: {n_params:,} parameters, d={cfg.d_model}, {cfg.n_layers} layers, device {device}")
         try:
             os.makedirs(self.dir, exist_ok=True)
@@ -1423,38 +1434,25 @@ class Run:
                      f"{self.ckpt['step']:,} of {cfg.steps:,}")
             self.results = saved if trained else self.ckpt["results"]
         h, self.t_last = self.results["history"], time.time()
-        return cfg.steps + 1 if trained or h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"] + 1
+        return cfg.steps if trained or h and 0 < cfg.target_acc <= h[-1]["acc"] else self.results["steps_done"]
 
-    def evaluated(self, step, loss_sum, ev):
-        """At each evaluation: the mean loss since the last (not finite: NonFiniteLoss), the history
-        with a check of the mechanism every analyze_every steps (watch), the progress line, a checkpoint."""
-        cfg, r = self.cfg, self.results
-        n = step - r["steps_done"]  # steps since the last evaluation
-        dt, loss = time.time() - self.t_last, (loss_sum / n).item()
-        r["train_seconds"] += dt
-        if not (math.isfinite(loss) and math.isfinite(ev["p_answer"])):
-            self.save("nonfinite")
-            kept = r["steps_done"] and f"{self.path('model.pt')} keeps the checkpoint of step {r['steps_done']}"
-            raise NonFiniteLoss(f"the training loss became {loss}, p(answer) {ev['p_answer']}, between steps "
-                                f"{step - n + 1} and {step} (lr={cfg.lr:g}); {kept or 'no checkpoint was kept'}")
-        r["history"].append(h := {"step": step, "loss": round(loss, 5), "acc": ev["acc"], "p_answer":
-                                  round(ev["p_answer"], 5), "lr": self.state["scheduler"].get_last_lr()[0]})
-        if cfg.analyze_every and step // cfg.analyze_every > (step - n) // cfg.analyze_every:
-            h.update(watch(self.model, self.task, cfg))
-        r.update(steps_done=step, final_acc=ev["acc"], final_p_answer=ev["p_answer"])
-        watched = f" | train acc {h['train_acc']:.4f}, {verdict_text(h['verdict'], False)}" if "verdict" in h else ""
-        self.log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | acc {ev['acc']:.4f} | p(answer) {ev['p_answer']:.3f}"
-                 f" | {1000 * dt / n:.2f} ms/step | eta {fmt_time(dt / n * (cfg.steps - step))}{watched}")
+    def checkpoint(self, h, ev):
+        """After an evaluation: h into the history, then results.json and model.pt, which the run resumes from; the
+        seconds per step since the last one, which count as training time."""
+        r, seconds = self.results, time.time() - self.t_last
+        per_step, r["train_seconds"] = seconds / (h["step"] - r["steps_done"]), r["train_seconds"] + seconds
+        r["history"].append(h)
+        r.update(steps_done=h["step"], final_acc=ev["acc"], final_p_answer=ev["p_answer"])
         saved = {name: obj.state_dict() for name, obj in self.state.items() if name != "batches"}
-        self.save(None, step=step, **saved, **self.state["batches"].state_dict(), results=r)
-        self.ev, self.t_last = ev, time.time()
+        self.save(None, step=h["step"], **saved, **self.state["batches"].state_dict(), results=r)
+        self.t_last = time.time()
+        return per_step
 
-    def end(self):
-        """After the loop: the final evaluation and the weights. The run is "trained" until train adds the grid."""
-        cfg, r, model, task = self.cfg, self.results, self.model, self.task
-        ev = self.ev or evaluate(model, task.eval)  # None if the checkpoint was the last step
+    def end(self, ev):
+        """After the loop: the final weights. The run is "trained" until fit adds the grid."""
+        cfg, r = self.cfg, self.results
         r["ended"] = "target reached" if 0 < cfg.target_acc <= ev["acc"] else "completed"
-        self.save("trained", step=r["steps_done"], model=model.state_dict())
+        self.save("trained", step=r["steps_done"], model=self.model.state_dict())
         self.log(f"done ({r['ended']}) after {r['steps_done']:,} steps, {fmt_time(r['train_seconds'])} of training "
                  f"({r['ms_per_step']:.2f} ms/step) | eval acc {ev['acc']:.4f}, p(answer) {ev['p_answer']:.3f}")
         return r
@@ -1470,6 +1468,12 @@ class Run:
             save_file(self.path("model.pt"), {"config": asdict(self.cfg), "vocab_size":
                                               self.model.embed.num_embeddings, **model_pt})
         return r
+
+
+def train(cfg, log=print):
+    """fit the model of cfg in its run folder, which resumes a cut run and returns a finished one."""
+    run = Run(cfg, log)  # refused: another run's files
+    return run.results if run.finished else fit(cfg, run, log)
 
 
 def load_run(run_dir, **expect):
@@ -1507,7 +1511,7 @@ def sweep(base, widths=PAPER_WIDTHS, lrs=None, log=print, seeds=None):
 
 
 def run_all(cfgs, log=print):
-    """Train every config in turn (a finished run is returned as it is); a run stopped by a NaN is a result too."""
+    """Train every config in turn; a run stopped by a NaN is a result too."""
     results = []
     for i, cfg in enumerate(cfgs):
         try:
@@ -1546,7 +1550,7 @@ def seed_stats(runs):
     acc = pct("final_acc")
     ok = [r for r, a in zip(runs, acc) if a >= 50] or runs
 
-    def mean_reads(key):  # the last layer's block_input attribution at value, key and query
+    def mean_reads(key):
         last = [g for mech in (r.get(key) for r in ok) if mech for g in mech["grid"]
                 if g["site"] == "block_input" and g["layer"] == mech["n_layers"] - 1 and g["attribution"] is not None]
         values = {k: [g["attribution"] for g in last if g["position"] == k] for k in ("value", "key", "query")}
@@ -1606,8 +1610,8 @@ def run_sweeps(title, entries, widths, lrs, out_dir, log=print, seeds=None):
             raise ConfigError(f"the grid names run {twice} twice (a name keeps 6 digits of lr); give each once"
                               if twice else
                               f"{folder} holds another summary; give another --out_dir")
-    log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x learning rates "
-        f"{every('lr')} x seeds {every('seed')}, in {out_dir}")
+    log(f"{title}: {len(entries)} sweep(s), {sum(map(len, grids))} runs, widths {list(widths)} x rates {every('lr')} "
+        f"x seeds {every('seed')}, in {out_dir}")
     results, rows = run_all([c for g in grids for c in g], log), []
     for (label, cfg), grid in zip(entries, grids):
         res, results = results[:len(grid)], results[len(grid):]
@@ -1643,7 +1647,7 @@ def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None):
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
     clash = sorted({k for _, settings in table[name] for k, v in settings.items() if k in args and args[k] != v})
-    if clash:  # the preset's own settings win: a flag that differs would be ignored
+    if clash:  # a flag the preset overrides would be ignored
         raise ConfigError(f"preset {name} sets {', '.join(clash)} itself; leave out --{' and --'.join(clash)}")
     out_dir = Config(**args).out_dir
     widths, seeds = widths or PAPER_WIDTHS, seeds or ((0, 1, 2) if name == "seeds" else None)
@@ -1661,7 +1665,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _numbers(kind):  # each value is then checked as its setting (a width as d_model)
+def _numbers(kind):  # each value is checked as its setting
     parse = lambda s: tuple(kind(v) for v in s.split(","))
     parse.__name__ = f"comma-separated {kind.__name__} list"  # named in argparse's error
     return parse
@@ -1671,7 +1675,7 @@ def parse_args(argv=None):
     p = _Parser(description="mecheval: train a small model on AR/ATR and evaluate how it recalls.")
     p._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e-3 is a value
     for f in fields(Config):
-        flag = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)  # --no-compile
+        flag = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)
         extra = f" [{', '.join(ARCHS)}]" if f.name == "arch" else ""
         p.add_argument(f"--{f.name}", **flag, default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']}{extra} (default: {f.default})")
@@ -1690,10 +1694,10 @@ def parse_args(argv=None):
 
 
 def evaluate_run(run_dir, args, log=print):
-    """--load: evaluate a saved run; with --analyze add its intervention grid to its results.json."""
+    """--load: evaluate a saved run; --analyze draws its grid, saved if of the run's own settings."""
     draw = args.get("analyze", False)
     if "corrupt" in args and not draw:
-        raise ConfigError("--corrupt applies to the grid, which --load draws with --analyze only")
+        raise ConfigError("--corrupt applies to the grid, which --load draws with --analyze")
     cfg, model = load_run(run_dir, **args)
     model.to(setup(cfg))
     task = make_task(cfg, train=False)
@@ -1703,10 +1707,8 @@ def evaluate_run(run_dir, args, log=print):
     if draw and results.get("status", "completed") not in ("completed", "target reached"):
         raise ConfigError(f"{run_dir} is unfinished ({results['status']}): its training command finishes it")
     found = analyze(model, task, cfg, {}, log, intervene=draw)
-    if draw:  # another setting's grid: beside the training's
-        if any(results.get("config", {}).get(k, getattr(cfg, k)) != getattr(cfg, k) for k in ("corrupt", "n_eval")):
-            again = dict(corrupt=cfg.corrupt, n_eval=cfg.n_eval, **found)
-            found = {"reanalyses": results.get("reanalyses", []) + [again]}
+    own = all(results.get("config", {}).get(k, getattr(cfg, k)) == getattr(cfg, k) for k in ("corrupt", "n_eval"))
+    if draw and own and results:  # else printed only
         save_file(path, {**results, **found})
 
 
@@ -1736,8 +1738,8 @@ def main(argv=None):
     except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
-    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError
-        if not isinstance(e, MemoryError) and "alloc" not in str(e) and "overflow" not in str(e):
+    except (MemoryError, RuntimeError, TypeError) as e:  # torch's allocators and sizes
+        if not isinstance(e, MemoryError) and "alloc" not in str(e) and "verflow" not in str(e):
             raise
         sizes = "n_eval" if "load" in flags else "d_model, n_layers, n_keys, n_values, n_train or n_eval"
         print(f"error: the run does not fit in memory (a {type(e).__name__} while allocating); give a smaller "

@@ -591,7 +591,7 @@ def fit(cfg, run, log=print):
     """Train the model of cfg as the paper, then read how it recalls; returns the results. `run` keeps the run's
     folder (a Run, which train makes): begin restores a checkpoint and returns the steps it has done, checkpoint
     writes each evaluation (status "running"), end the final weights ("trained"), save the status: "nonfinite"
-    (model.pt keeps the last checkpoint; a rerun refuses) or, with the grid, "completed"."""
+    (model.pt keeps the last checkpoint; a rerun refuses) or, with the grid, "completed" ("target reached")."""
     device = setup(cfg)
     task = make_task(cfg)
     model = build_model(cfg, task.vocab_size).to(device)
@@ -1479,7 +1479,7 @@ def train(cfg, log=print):
 def load_run(run_dir, **expect):
     """(cfg, model) of a run folder; the settings given must match its own, but those of evaluation."""
     cfg, files = run_files(run_dir)
-    evaluation = ("device", "n_eval", "analyze", "corrupt")  # the settings --load may change
+    evaluation = ("device", "n_eval", "analyze", "corrupt")  # --load may change these
     given = {k: getattr(replace(cfg, **{k: v}), k) for k, v in expect.items() if k in asdict(cfg)}  # lr=0: the default
     k = next((k for k in expect if k not in given or k not in evaluation and getattr(cfg, k) != given[k]), None)
     if k is not None:
@@ -1647,7 +1647,7 @@ def run_preset(name, args, widths=None, lrs=None, log=print, seeds=None):
     if name not in table:
         raise ConfigError(f"unknown preset '{name}'; allowed: {', '.join(table)}")
     clash = sorted({k for _, settings in table[name] for k, v in settings.items() if k in args and args[k] != v})
-    if clash:  # a flag the preset overrides would be ignored
+    if clash:  # a flag it overrides would be ignored
         raise ConfigError(f"preset {name} sets {', '.join(clash)} itself; leave out --{' and --'.join(clash)}")
     out_dir = Config(**args).out_dir
     widths, seeds = widths or PAPER_WIDTHS, seeds or ((0, 1, 2) if name == "seeds" else None)
@@ -1665,7 +1665,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _numbers(kind):  # each value is checked as its setting
+def _numbers(kind):  # then checked as settings
     parse = lambda s: tuple(kind(v) for v in s.split(","))
     parse.__name__ = f"comma-separated {kind.__name__} list"  # named in argparse's error
     return parse
